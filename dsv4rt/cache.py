@@ -1,0 +1,141 @@
+"""KV caches: the only place cache shapes are decided.
+
+Per layer (buffers of a `LayerCache`):
+  swa         [S+1, W, R]          sliding ring of each request slot (row p mod W); slot S is the spare
+                                   slot that padded tokens write to
+  entries     [NB+1, 128/m, R]     CSA/HCA compressed entries, paged: block b of a request covers its
+                                   source tokens [128b, 128b+128); block NB is the trash block
+  kv_state,   [S+1, c*m, c*d] fp32 compressor open window (+ overlap rows for CSA), per request slot
+  score_state
+  idx_*       the same three for the CSA indexer compressor (d = index_head_dim)
+R is the row width: head_dim values in the activation dtype ("auto", "fp8_sim") or the FP8 row
+layout's bytes ("fp8"; FP4 rows for indexer entries). One block table per request addresses the
+pools of every layer: block ids come from one `BlockAllocator`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from dsv4rt.ops import kv_quant
+from dsv4rt.ops.kv_quant import QUANT_FP4, QUANT_FP4_SIM, QUANT_FP8, QUANT_FP8_SIM, QUANT_NONE
+
+from .config import BLOCK_TOKENS, CSA, HCA, SLIDING, ModelConfig
+
+KV_DTYPES = ("auto", "fp8", "fp8_sim")
+
+
+class BlockAllocator:
+    """Fixed-size block allocator (host only). Blocks are ints in [0, num_blocks)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"block allocator exhausted: {n} blocks requested, {len(self._free)} free")
+        out = [self._free.pop() for _ in range(n)]
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+class LayerCache(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str, n_slots: int, num_blocks: int, kv_dtype: str,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        hd, rd = cfg.head_dim, cfg.rope_dim
+        main_quant = {"auto": QUANT_NONE, "fp8": QUANT_FP8, "fp8_sim": QUANT_FP8_SIM}[kv_dtype]
+        idx_quant = {"auto": QUANT_NONE, "fp8": QUANT_FP4, "fp8_sim": QUANT_FP4_SIM}[kv_dtype]
+        self.main_quant, self.idx_quant = main_quant, idx_quant
+
+        def rows(n_lead: tuple[int, ...], width: int, quant: int) -> torch.Tensor:
+            if quant == QUANT_FP8:
+                return torch.zeros(*n_lead, kv_quant.fp8_row_bytes(width, rd), dtype=torch.uint8, device=device)
+            if quant == QUANT_FP4:
+                return torch.zeros(*n_lead, kv_quant.fp4_row_bytes(width), dtype=torch.uint8, device=device)
+            return torch.zeros(*n_lead, width, dtype=dtype, device=device)
+
+        self.register_buffer("swa", rows((n_slots + 1, cfg.sliding_window), hd, main_quant), persistent=False)
+        if layer_type in (CSA, HCA):
+            m = cfg.ratio(layer_type)
+            c = 2 if layer_type == CSA else 1
+            self.register_buffer("entries", rows((num_blocks + 1, BLOCK_TOKENS // m), hd, main_quant), persistent=False)
+            self.register_buffer("kv_state", torch.zeros(n_slots + 1, c * m, c * hd, device=device), persistent=False)
+            self.register_buffer("score_state", torch.zeros(n_slots + 1, c * m, c * hd, device=device),
+                                 persistent=False)
+        if layer_type == CSA:
+            m, di = cfg.csa_ratio, cfg.index_head_dim
+            self.register_buffer("idx_entries", rows((num_blocks + 1, BLOCK_TOKENS // m), di, idx_quant),
+                                 persistent=False)
+            self.register_buffer("idx_kv_state", torch.zeros(n_slots + 1, 2 * m, 2 * di, device=device),
+                                 persistent=False)
+            self.register_buffer("idx_score_state", torch.zeros(n_slots + 1, 2 * m, 2 * di, device=device),
+                                 persistent=False)
+
+    def per_slot(self) -> list[torch.Tensor]:
+        return [b for name, b in self.named_buffers() if name in ("swa", "kv_state", "score_state", "idx_kv_state",
+                                                                     "idx_score_state")]
+
+
+class KVCache(nn.Module):
+    """All caches of one runtime. Allocated once; the captured step only writes into them."""
+
+    def __init__(self, cfg: ModelConfig, max_requests: int, max_context: int, kv_dtype: str = "auto",
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 num_blocks: int | None = None) -> None:
+        super().__init__()
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        if kv_dtype != "auto":
+            kv_quant.fp8_row_bytes(cfg.head_dim, cfg.rope_dim)  # raises if the dims have no FP8 layout
+            kv_quant.fp4_row_bytes(cfg.index_head_dim)
+        self.cfg, self.kv_dtype = cfg, kv_dtype
+        self.max_requests, self.max_context = max_requests, max_context
+        self.max_blocks = math.ceil(max_context / BLOCK_TOKENS)
+        self.num_blocks = max_requests * self.max_blocks if num_blocks is None else num_blocks
+        self.layers = nn.ModuleList(
+            LayerCache(cfg, t, max_requests, self.num_blocks, kv_dtype, dtype, torch.device(device))
+            for t in cfg.layer_types
+        )
+
+    def reset_slot(self, slot: int) -> None:
+        """Zero a request slot's ring and compressor state (entries are addressed by blocks, not reset)."""
+        for layer in self.layers:
+            for buf in layer.per_slot():
+                buf[slot].zero_()
+
+    def blocks_needed(self, n_tokens: int) -> int:
+        """Blocks a request holding n_tokens processed tokens needs for its closed compressed entries."""
+        need = 0
+        for t in set(self.cfg.layer_types) - {SLIDING}:
+            m = self.cfg.ratio(t)
+            need = max(need, math.ceil((n_tokens // m) / (BLOCK_TOKENS // m)))
+        return need
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+
+def cache_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "fp8", dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Bytes of growing cache per token per layer type, and the constant per-request state per layer type."""
+    el = torch.tensor([], dtype=dtype).element_size()
+    main = kv_quant.fp8_row_bytes(cfg.head_dim, cfg.rope_dim) if kv_dtype == "fp8" else cfg.head_dim * el
+    idx = kv_quant.fp4_row_bytes(cfg.index_head_dim) if kv_dtype == "fp8" else cfg.index_head_dim * el
+    ring = cfg.sliding_window * main
+    out = {
+        SLIDING: {"per_token": 0.0, "per_request": ring},
+        CSA: {"per_token": (main + idx) / cfg.csa_ratio,
+              "per_request": ring + 4 * (2 * cfg.csa_ratio * 2 * cfg.head_dim + 2 * cfg.csa_ratio * 2 * cfg.index_head_dim)},
+        HCA: {"per_token": main / cfg.hca_ratio, "per_request": ring + 4 * 2 * cfg.hca_ratio * cfg.head_dim},
+    }
+    return out

@@ -1,0 +1,279 @@
+"""Model configuration: presets of the published models, a tiny test model, and conversion from HF configs."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+SLIDING, CSA, HCA = "sliding", "csa", "hca"
+LAYER_TYPES = (SLIDING, CSA, HCA)
+HASH_MOE, MOE = "hash", "moe"
+MLP_TYPES = (HASH_MOE, MOE)
+BLOCK_TOKENS = 128  # source tokens per cache block; every compression rate divides it
+
+_HF_LAYER = {"sliding_attention": SLIDING, "compressed_sparse_attention": CSA, "heavily_compressed_attention": HCA}
+_RATIO_LAYER = {0: SLIDING, 4: CSA, 128: HCA}
+_HF_MLP = {"hash_moe": HASH_MOE, "moe": MOE}
+
+
+@dataclass(frozen=True, slots=True)
+class Yarn:
+    factor: float = 16.0
+    original_max_position: int = 65536
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    layer_types: tuple[str, ...]
+    csa_ratio: int
+    hca_ratio: int
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    n_experts: int
+    n_active: int
+    n_shared: int
+    moe_inter: int
+    mlp_types: tuple[str, ...]
+    routed_scale: float
+    swiglu_limit: float
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    yarn: Optional[Yarn] = Yarn()
+    hc_mult: int = 4
+    hc_iters: int = 20
+    hc_eps: float = 1e-6
+    norm_eps: float = 1e-6
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    max_position: int = 1048576
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "mlp_types", tuple(self.mlp_types))
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "rope_dim", "q_lora_rank",
+                     "o_groups", "o_lora_rank", "sliding_window", "csa_ratio", "hca_ratio", "index_heads",
+                     "index_head_dim", "index_topk", "n_experts", "n_active", "moe_inter", "hc_mult", "hc_iters"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.rope_dim > self.head_dim or self.rope_dim % 2:
+            raise ValueError(f"ModelConfig.rope_dim ({self.rope_dim}) must be even and <= head_dim ({self.head_dim})")
+        if self.rope_dim > self.index_head_dim:
+            raise ValueError(f"ModelConfig.rope_dim ({self.rope_dim}) must be <= index_head_dim ({self.index_head_dim})")
+        if self.num_heads % self.o_groups:
+            raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be divisible by o_groups ({self.o_groups})")
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"ModelConfig.layer_types has {len(self.layer_types)} entries, num_layers is {self.num_layers}")
+        if len(self.mlp_types) != self.num_layers:
+            raise ValueError(f"ModelConfig.mlp_types has {len(self.mlp_types)} entries, num_layers is {self.num_layers}")
+        for t in self.layer_types:
+            if t not in LAYER_TYPES:
+                raise ValueError(f"ModelConfig.layer_types: unknown layer type {t!r} (expected one of {LAYER_TYPES})")
+        for t in self.mlp_types:
+            if t not in MLP_TYPES:
+                raise ValueError(f"ModelConfig.mlp_types: unknown mlp type {t!r} (expected one of {MLP_TYPES})")
+        for name in ("csa_ratio", "hca_ratio"):
+            if BLOCK_TOKENS % getattr(self, name):
+                raise ValueError(f"ModelConfig.{name} ({getattr(self, name)}) must divide the block size {BLOCK_TOKENS}")
+        if self.n_active > self.n_experts:
+            raise ValueError(f"ModelConfig.n_active ({self.n_active}) must be <= n_experts ({self.n_experts})")
+        if self.n_shared != 1:
+            raise ValueError(f"ModelConfig.n_shared must be 1 (DSV4 has one shared expert), got {self.n_shared}")
+        if self.index_head_dim & (self.index_head_dim - 1):
+            raise ValueError(f"ModelConfig.index_head_dim ({self.index_head_dim}) must be a power of two (Hadamard)")
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def flash(cls, **overrides: Any) -> "ModelConfig":
+        n = 43
+        types = [SLIDING, SLIDING] + [CSA if i % 2 == 0 else HCA for i in range(2, n)]
+        base = dict(vocab_size=129280, hidden_size=4096, num_layers=n, num_heads=64, head_dim=512, rope_dim=64,
+                    q_lora_rank=1024, o_groups=8, o_lora_rank=1024, sliding_window=128, layer_types=tuple(types),
+                    csa_ratio=4, hca_ratio=128, index_heads=64, index_head_dim=128, index_topk=512, n_experts=256,
+                    n_active=6, n_shared=1, moe_inter=2048, mlp_types=tuple([HASH_MOE] * 3 + [MOE] * (n - 3)),
+                    routed_scale=1.5, swiglu_limit=10.0)
+        return _with_overrides(cls(**base), overrides)
+
+    @classmethod
+    def pro(cls, **overrides: Any) -> "ModelConfig":
+        n = 61
+        types = [HCA, HCA] + [CSA if i % 2 == 0 else HCA for i in range(2, n)]
+        base = dict(vocab_size=129280, hidden_size=7168, num_layers=n, num_heads=128, head_dim=512, rope_dim=64,
+                    q_lora_rank=1536, o_groups=16, o_lora_rank=1024, sliding_window=128, layer_types=tuple(types),
+                    csa_ratio=4, hca_ratio=128, index_heads=64, index_head_dim=128, index_topk=1024, n_experts=384,
+                    n_active=6, n_shared=1, moe_inter=3072, mlp_types=tuple([HASH_MOE] * 3 + [MOE] * (n - 3)),
+                    routed_scale=2.5, swiglu_limit=10.0)
+        return _with_overrides(cls(**base), overrides)
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "ModelConfig":
+        """Every layer type, a reduced HCA rate (16), >= 16 indexer heads; fp8-compatible dims (nope = 64)."""
+        base = dict(vocab_size=512, hidden_size=128, num_layers=5, num_heads=4, head_dim=128, rope_dim=64,
+                    q_lora_rank=64, o_groups=2, o_lora_rank=32, sliding_window=16,
+                    layer_types=(SLIDING, CSA, HCA, CSA, HCA), csa_ratio=4, hca_ratio=16, index_heads=16,
+                    index_head_dim=64, index_topk=4, n_experts=8, n_active=2, n_shared=1, moe_inter=64,
+                    mlp_types=(HASH_MOE, HASH_MOE, MOE, MOE, MOE), routed_scale=1.5, swiglu_limit=10.0)
+        return _with_overrides(cls(**base), overrides)
+
+    def replace(self, **overrides: Any) -> "ModelConfig":
+        return _with_overrides(self, overrides)
+
+    def truncated(self, layers: int) -> "ModelConfig":
+        """The first `layers` blocks of this model (for benchmarking a slice on one device)."""
+        if not 0 < layers <= self.num_layers:
+            raise ValueError(f"layers must be in 1..{self.num_layers}, got {layers}")
+        return self.replace(num_layers=layers, layer_types=self.layer_types[:layers], mlp_types=self.mlp_types[:layers])
+
+    # ------------------------------------------------------------------ HF / official configs
+    @classmethod
+    def from_hf(cls, x: Any) -> "ModelConfig":
+        """From a transformers DeepseekV4Config, a dict, or the path of an HF or official config.json."""
+        if isinstance(x, (str, os.PathLike)):
+            path = os.fspath(x)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path) as f:
+                d = json.load(f)
+        elif isinstance(x, dict):
+            d = dict(x)
+        else:
+            d = x.to_dict() if hasattr(x, "to_dict") else dict(vars(x))
+        return _from_dict(d)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def nope_dim(self) -> int:
+        return self.head_dim - self.rope_dim
+
+    def ratio(self, layer_type: str) -> int:
+        return {CSA: self.csa_ratio, HCA: self.hca_ratio}[layer_type]
+
+    def inv_freq(self, layer_type: str) -> torch.Tensor:
+        """fp32 [rope_dim/2] RoPE frequencies: plain theta for sliding layers, YaRN'd compress theta otherwise."""
+        rd = self.rope_dim
+        if layer_type == SLIDING:
+            return 1.0 / (self.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))
+        base = self.compress_rope_theta
+        pos_freqs = base ** (torch.arange(0, rd, 2, dtype=torch.float) / rd)
+        if self.yarn is None:
+            return 1.0 / pos_freqs
+        y = self.yarn
+
+        def corr(n_rot: float) -> float:
+            return rd * math.log(y.original_max_position / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+        lo, hi = max(math.floor(corr(y.beta_fast)), 0), min(math.ceil(corr(y.beta_slow)), rd - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = ((torch.arange(rd // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+        extra = 1 - ramp
+        return (1.0 / (y.factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _with_overrides(cfg: ModelConfig, overrides: dict) -> ModelConfig:
+    if not overrides:
+        return cfg
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = set(overrides) - fields
+    if unknown:
+        raise ValueError(f"ModelConfig: unknown field(s) {sorted(unknown)}")
+    return dataclasses.replace(cfg, **overrides)
+
+
+def _from_dict(d: dict) -> ModelConfig:
+    official = "dim" in d and "n_layers" in d
+    g = (lambda hf, off, default=None: d.get(off, d.get(hf, default))) if official else (
+        lambda hf, off, default=None: d.get(hf, d.get(off, default)))
+    n = int(g("num_hidden_layers", "n_layers"))
+    csa_ratio, hca_ratio = 4, 128
+    if d.get("compress_rates"):
+        csa_ratio = int(d["compress_rates"].get("compressed_sparse_attention", 4))
+        hca_ratio = int(d["compress_rates"].get("heavily_compressed_attention", 128))
+    if d.get("layer_types"):
+        try:
+            types = [_HF_LAYER[t] for t in d["layer_types"][:n]]
+        except KeyError as e:
+            raise ValueError(f"ModelConfig.layer_types: unknown layer type {e.args[0]!r}") from None
+    elif d.get("compress_ratios") is not None:
+        try:
+            types = [_RATIO_LAYER[int(r)] for r in d["compress_ratios"][:n]]
+        except KeyError as e:
+            raise ValueError(f"ModelConfig.layer_types: unknown compress ratio {e.args[0]!r}") from None
+    else:
+        types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+    if d.get("mlp_layer_types"):
+        try:
+            mlp = [_HF_MLP[t] for t in d["mlp_layer_types"][:n]]
+        except KeyError as e:
+            raise ValueError(f"ModelConfig.mlp_types: unknown mlp type {e.args[0]!r}") from None
+    else:
+        n_hash = int(g("num_hash_layers", "n_hash_layers", 3))
+        mlp = [HASH_MOE] * min(n, n_hash) + [MOE] * max(0, n - n_hash)
+    head_dim = int(g("head_dim", "head_dim", 512))
+    if "qk_rope_head_dim" in d:
+        rope_dim = int(d["qk_rope_head_dim"])
+    elif "rope_head_dim" in d:
+        rope_dim = int(d["rope_head_dim"])
+    elif d.get("partial_rotary_factor"):
+        rope_dim = int(head_dim * d["partial_rotary_factor"])
+    else:
+        rope_dim = 64
+    yarn = _yarn_from(d)
+    rope_theta = float(d.get("rope_theta", 10000.0))
+    rp = d.get("rope_parameters") or {}
+    if isinstance(rp.get("main"), dict):
+        rope_theta = float(rp["main"].get("rope_theta", rope_theta))
+    compress_theta = float(d.get("compress_rope_theta", 160000.0))
+    if isinstance(rp.get("compress"), dict):
+        compress_theta = float(rp["compress"].get("rope_theta", compress_theta))
+    eos = d.get("eos_token_id", 1)
+    return ModelConfig(
+        vocab_size=int(d["vocab_size"]), hidden_size=int(g("hidden_size", "dim")), num_layers=n,
+        num_heads=int(g("num_attention_heads", "n_heads")), head_dim=head_dim, rope_dim=rope_dim,
+        q_lora_rank=int(d["q_lora_rank"]), o_groups=int(d["o_groups"]), o_lora_rank=int(d["o_lora_rank"]),
+        sliding_window=int(g("sliding_window", "window_size", 128)), layer_types=tuple(types),
+        csa_ratio=csa_ratio, hca_ratio=hca_ratio, index_heads=int(d.get("index_n_heads", 64)),
+        index_head_dim=int(d.get("index_head_dim", 128)), index_topk=int(d.get("index_topk", 512)),
+        n_experts=int(g("n_routed_experts", "n_routed_experts")),
+        n_active=int(g("num_experts_per_tok", "n_activated_experts")), n_shared=int(d.get("n_shared_experts", 1)),
+        moe_inter=int(g("moe_intermediate_size", "moe_inter_dim")), mlp_types=tuple(mlp),
+        routed_scale=float(g("routed_scaling_factor", "route_scale", 1.0)),
+        swiglu_limit=float(d.get("swiglu_limit", 10.0)), rope_theta=rope_theta, compress_rope_theta=compress_theta,
+        yarn=yarn, hc_mult=int(d.get("hc_mult", 4)), hc_iters=int(d.get("hc_sinkhorn_iters", 20)),
+        hc_eps=float(d.get("hc_eps", 1e-6)), norm_eps=float(g("rms_norm_eps", "norm_eps", 1e-6)),
+        bos_token_id=int(d.get("bos_token_id") or 0), eos_token_id=int(eos[0] if isinstance(eos, list) else (eos or 1)),
+        max_position=int(d.get("max_position_embeddings", 1048576)),
+    )
+
+
+def _yarn_from(d: dict) -> Optional[Yarn]:
+    rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if isinstance(rp.get("compress"), dict):
+        rp = rp["compress"]
+    if rp.get("rope_type", rp.get("type")) == "yarn":
+        return Yarn(float(rp.get("factor", 16.0)), int(rp.get("original_max_position_embeddings", 65536)),
+                    float(rp.get("beta_fast") or 32), float(rp.get("beta_slow") or 1))
+    if "rope_factor" in d and "original_seq_len" in d:  # official inference config
+        return Yarn(float(d["rope_factor"]), int(d["original_seq_len"]), float(d.get("beta_fast", 32)),
+                    float(d.get("beta_slow", 1)))
+    return None

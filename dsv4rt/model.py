@@ -1,0 +1,290 @@
+"""The DSV4 model: parameters named as in HF transformers (without the `model.` prefix) and a forward
+made of plain torch plus `torch.ops.dsv4rt.*` (through the `dsv4rt.ops` wrappers).
+
+The forward reads the step inputs (fixed-size buffers filled by prepare), the caches and the weights.
+It allocates only its own temporaries and never branches on tensor values.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dsv4rt.ops import attention, compressor, indexer, mhc, moe, swa
+from dsv4rt.ops.kv_quant import QUANT_NONE, hadamard, idx_fp4_fake_quant, kv_fp8_fake_quant
+from dsv4rt.ops.rope import rope_rotate
+
+from .cache import KVCache, LayerCache
+from .config import CSA, HASH_MOE, SLIDING, ModelConfig
+
+
+class StepTensors(NamedTuple):
+    """Views of the static step-input buffers for one bucket (see prepare.StepInputs)."""
+    token_ids: Tensor    # [T] int64
+    positions: Tensor    # [T] int32
+    req_slot: Tensor     # [T] int32, PAD_SLOT (-1) for padding
+    start_pos: Tensor    # [T] int32, first position of the token's request in this step
+    end_pos: Tensor      # [T] int32, one past the last position of the token's request in this step
+    block_table: Tensor  # [S+1, MB] int32
+    logit_rows: Tensor   # [R] int64, token rows whose logits are returned
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    x32 = x.float()
+    return (weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype)
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = _param(dim, dtype=torch.float32)
+
+
+class Compressor(nn.Module):
+    """Projections and parameters of one compressor (fp32, as the official reference runs them)."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, width: int, overlap: bool) -> None:
+        super().__init__()
+        c = 2 if overlap else 1
+        self.ratio, self.width, self.overlap = ratio, width, overlap
+        self.kv_proj = Linear(c * width, cfg.hidden_size, torch.float32)
+        self.gate_proj = Linear(c * width, cfg.hidden_size, torch.float32)
+        self.position_bias = _param(ratio, c * width, dtype=torch.float32)
+        self.kv_norm = Norm(width)
+
+    def update(self, x32: Tensor, st: StepTensors, inv_freq: Tensor, kv_state: Tensor, score_state: Tensor,
+               entries: Tensor, quant: int, eps: float, dtype: torch.dtype) -> None:
+        kv = F.linear(x32, self.kv_proj.weight)
+        score = F.linear(x32, self.gate_proj.weight)
+        compressor.compressor_update(kv, score, self.position_bias, self.kv_norm.weight, inv_freq, kv_state,
+                                     score_state, entries, st.req_slot, st.positions, st.start_pos, st.end_pos,
+                                     st.block_table, self.ratio, self.overlap, quant, eps, dtype)
+
+
+class Scorer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weights_proj = Linear(cfg.index_heads, cfg.hidden_size, torch.float32)
+
+
+class Indexer(Compressor):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__(cfg, cfg.csa_ratio, cfg.index_head_dim, overlap=True)
+        self.q_b_proj = Linear(cfg.index_heads * cfg.index_head_dim, cfg.q_lora_rank, dtype)
+        self.scorer = Scorer(cfg)
+        self.n_heads, self.head_dim, self.topk = cfg.index_heads, cfg.index_head_dim, cfg.index_topk
+
+
+class MainCompressor(Compressor):
+    def __init__(self, cfg: ModelConfig, layer_type: str, dtype: torch.dtype) -> None:
+        super().__init__(cfg, cfg.ratio(layer_type), cfg.head_dim, overlap=layer_type == CSA)
+        if layer_type == CSA:
+            self.indexer = Indexer(cfg, dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg, self.layer_type = cfg, layer_type
+        h, hd = cfg.num_heads, cfg.head_dim
+        self.q_a_proj = Linear(cfg.q_lora_rank, cfg.hidden_size, dtype)
+        self.q_a_norm = Norm(cfg.q_lora_rank)
+        self.q_b_proj = Linear(h * hd, cfg.q_lora_rank, dtype)
+        self.kv_proj = Linear(hd, cfg.hidden_size, dtype)
+        self.kv_norm = Norm(hd)
+        self.o_a_proj = Linear(cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups, dtype)
+        self.o_b_proj = Linear(cfg.hidden_size, cfg.o_groups * cfg.o_lora_rank, dtype)
+        self.sinks = _param(h, dtype=torch.float32)
+        if layer_type != SLIDING:
+            self.compressor = MainCompressor(cfg, layer_type, dtype)
+
+    def forward(self, x: Tensor, st: StepTensors, lc: LayerCache, inv_freq: Tensor) -> Tensor:
+        cfg = self.cfg
+        n_tok, eps, rd = x.shape[0], cfg.norm_eps, cfg.rope_dim
+        qr = rms_norm(F.linear(x, self.q_a_proj.weight), self.q_a_norm.weight, eps)
+        q = F.linear(qr, self.q_b_proj.weight).view(n_tok, cfg.num_heads, cfg.head_dim)
+        q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + eps).to(q.dtype)
+        q = rope_rotate(q, st.positions, inv_freq)
+        kv = rms_norm(F.linear(x, self.kv_proj.weight), self.kv_norm.weight, eps)
+        kv = rope_rotate(kv, st.positions, inv_freq)
+        if lc.main_quant != QUANT_NONE:  # official numerics: the kv row is FP8 from here on
+            kv = kv_fp8_fake_quant(kv, rd)
+
+        entries, entry_idx, ratio = None, None, 1
+        if self.layer_type != SLIDING:
+            comp = self.compressor
+            x32 = x.float()
+            comp.update(x32, st, inv_freq, lc.kv_state, lc.score_state, lc.entries, lc.main_quant, eps, x.dtype)
+            entries, ratio = lc.entries, comp.ratio
+            if self.layer_type == CSA:
+                ix = comp.indexer
+                ix.update(x32, st, inv_freq, lc.idx_kv_state, lc.idx_score_state, lc.idx_entries, lc.idx_quant,
+                          eps, x.dtype)
+                qi = F.linear(qr, ix.q_b_proj.weight).view(n_tok, ix.n_heads, ix.head_dim)
+                qi = rope_rotate(qi, st.positions, inv_freq)
+                if lc.idx_quant != QUANT_NONE:  # official: Hadamard + FP4 on the indexer query too
+                    qi = idx_fp4_fake_quant(hadamard(qi)).to(qi.dtype)
+                w = F.linear(x32, ix.scorer.weights_proj.weight) * (ix.n_heads**-0.5 * ix.head_dim**-0.5)
+                entry_idx = indexer.indexer_topk(qi, w, lc.idx_entries, st.req_slot, st.positions, st.block_table,
+                                                 ratio, ix.topk)
+
+        o = attention.sparse_attn(q, kv, lc.swa, entries, entry_idx, self.sinks, st.req_slot, st.positions,
+                                  st.start_pos, st.block_table, ratio, rd, cfg.head_dim**-0.5)
+        swa.swa_cache_write(kv, lc.swa, st.req_slot, st.positions, st.end_pos, rd)
+        o = rope_rotate(o, st.positions, inv_freq, inverse=True)
+        g = cfg.o_groups
+        o = o.reshape(n_tok, g, -1)
+        w_a = self.o_a_proj.weight.view(g, cfg.o_lora_rank, -1)
+        z = torch.einsum("tgi,goi->tgo", o, w_a).reshape(n_tok, g * cfg.o_lora_rank)
+        return F.linear(z, self.o_b_proj.weight)
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: ModelConfig, is_hash: bool) -> None:
+        super().__init__()
+        self.weight = _param(cfg.n_experts, cfg.hidden_size, dtype=torch.float32)
+        if is_hash:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.n_active, dtype=torch.int64))
+        else:
+            self.e_score_correction_bias = _param(cfg.n_experts, dtype=torch.float32)
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = _param(cfg.n_experts, 2 * cfg.moe_inter, cfg.hidden_size, dtype=dtype)
+        self.down_proj = _param(cfg.n_experts, cfg.hidden_size, cfg.moe_inter, dtype=dtype)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = Linear(cfg.moe_inter, cfg.hidden_size, dtype)
+        self.up_proj = Linear(cfg.moe_inter, cfg.hidden_size, dtype)
+        self.down_proj = Linear(cfg.hidden_size, cfg.moe_inter, dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, mlp_type: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg, self.is_hash = cfg, mlp_type == HASH_MOE
+        self.gate = Gate(cfg, self.is_hash)
+        self.experts = Experts(cfg, dtype)
+        self.shared_experts = SharedExpert(cfg, dtype)
+
+    def forward(self, x: Tensor, token_ids: Tensor) -> Tensor:
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.gate.weight)
+        if self.is_hash:
+            weights, ids = moe.moe_hash_route(logits, self.gate.tid2eid, token_ids, cfg.routed_scale)
+        else:
+            weights, ids = moe.moe_route(logits, self.gate.e_score_correction_bias, cfg.n_active, cfg.routed_scale)
+        routed = moe.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, cfg.swiglu_limit)
+        se = self.shared_experts
+        h = moe.clamped_swiglu(F.linear(x, se.gate_proj.weight), F.linear(x, se.up_proj.weight), cfg.swiglu_limit)
+        return routed + F.linear(h, se.down_proj.weight)
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        n = cfg.hc_mult
+        self.fn = _param((2 + n) * n, n * cfg.hidden_size, dtype=torch.float32)
+        self.base = _param((2 + n) * n, dtype=torch.float32)
+        self.scale = _param(3, dtype=torch.float32)
+
+
+class HyperHead(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        n = cfg.hc_mult
+        self.hc_fn = _param(n, n * cfg.hidden_size, dtype=torch.float32)
+        self.hc_base = _param(n, dtype=torch.float32)
+        self.hc_scale = _param(1, dtype=torch.float32)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg, self.layer_type = cfg, cfg.layer_types[idx]
+        self.self_attn = Attention(cfg, self.layer_type, dtype)
+        self.mlp = MoE(cfg, cfg.mlp_types[idx], dtype)
+        self.input_layernorm = Norm(cfg.hidden_size)
+        self.post_attention_layernorm = Norm(cfg.hidden_size)
+        self.attn_hc = HyperConnection(cfg)
+        self.ffn_hc = HyperConnection(cfg)
+
+    def forward(self, streams: Tensor, st: StepTensors, lc: LayerCache, inv_freq: Tensor) -> Tensor:
+        cfg = self.cfg
+        hc = self.attn_hc
+        x, post, comb = mhc.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_iters, cfg.hc_eps, cfg.norm_eps)
+        y = self.self_attn(rms_norm(x, self.input_layernorm.weight, cfg.norm_eps), st, lc, inv_freq)
+        streams = mhc.hc_post(streams, y, post, comb)
+        hc = self.ffn_hc
+        x, post, comb = mhc.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_iters, cfg.hc_eps, cfg.norm_eps)
+        y = self.mlp(rms_norm(x, self.post_attention_layernorm.weight, cfg.norm_eps), st.token_ids)
+        return mhc.hc_post(streams, y, post, comb)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(vocab, dim, dtype=dtype)
+
+
+class Model(nn.Module):
+    """DSV4 causal LM. Construct with `from_hf_state_dict` or `random` (see weights.py)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(Block(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.norm = Norm(cfg.hidden_size)
+        self.hc_head = HyperHead(cfg)
+        self.lm_head = Linear(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.register_buffer("inv_freq_main", cfg.inv_freq(SLIDING), persistent=False)
+        self.register_buffer("inv_freq_compress", cfg.inv_freq(CSA), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def forward(self, st: StepTensors, cache: KVCache) -> Tensor:
+        """One step over the bucket's tokens. Returns fp32 logits [R, V] of the rows `st.logit_rows`."""
+        cfg = self.cfg
+        x = F.embedding(st.token_ids, self.embed_tokens.weight)
+        streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        for layer, lc in zip(self.layers, cache.layers):
+            inv_freq = self.inv_freq_main if layer.layer_type == SLIDING else self.inv_freq_compress
+            streams = layer(streams, st, lc, inv_freq)
+        h = self.hc_head
+        x = mhc.hc_head(streams, h.hc_fn, h.hc_base, h.hc_scale, cfg.hc_eps, cfg.norm_eps)
+        x = rms_norm(x, self.norm.weight, cfg.norm_eps)
+        return F.linear(x[st.logit_rows], self.lm_head.weight).float()
+
+    # --------------------------------------------------------------- construction
+    @classmethod
+    def from_hf_state_dict(cls, cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.float32,
+                           device: torch.device | str = "cpu") -> "Model":
+        from .weights import load_hf_state_dict
+        return load_hf_state_dict(cls, cfg, state_dict, dtype, device)
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> "Model":
+        from .weights import init_random
+        return init_random(cls, cfg, seed, dtype, device)
+

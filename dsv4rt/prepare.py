@@ -1,0 +1,122 @@
+"""Host-side prepare step: a batch {request: new token ids} -> the static step-input buffers.
+
+Everything data-dependent happens here, on the host: validation, positions, block allocation for the
+entries that close in the step, bucket choice, padding. The forward then reads only these buffers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from dsv4rt.ops.swa import PAD_SLOT
+
+from .model import StepTensors
+
+
+def bucket_for(n: int, limit: int) -> int:
+    """Smallest power of two >= n, capped at `limit`."""
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, limit)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Fixed-address buffers read by the step. Allocated once, rewritten in place every step."""
+    token_ids: Tensor    # [max_tokens] int64
+    positions: Tensor    # [max_tokens] int32
+    req_slot: Tensor     # [max_tokens] int32, PAD_SLOT past the live tokens
+    start_pos: Tensor    # [max_tokens] int32
+    end_pos: Tensor      # [max_tokens] int32
+    block_table: Tensor  # [max_requests + 1, max_blocks] int32; row max_requests is the padding row
+    logit_rows: Tensor   # [max_tokens] int64
+
+    @classmethod
+    def allocate(cls, max_tokens: int, n_slots: int, max_blocks: int, trash_block: int, device,
+                 pin: bool = False) -> "StepInputs":
+        def z(*shape, dtype, fill=0):
+            t = torch.full(shape, fill, dtype=dtype, device=device)
+            return t.pin_memory() if pin else t
+        return cls(token_ids=z(max_tokens, dtype=torch.int64), positions=z(max_tokens, dtype=torch.int32),
+                   req_slot=z(max_tokens, dtype=torch.int32, fill=PAD_SLOT),
+                   start_pos=z(max_tokens, dtype=torch.int32), end_pos=z(max_tokens, dtype=torch.int32),
+                   block_table=z(n_slots + 1, max_blocks, dtype=torch.int32, fill=trash_block),
+                   logit_rows=z(max_tokens, dtype=torch.int64))
+
+    def args(self, n_tokens: int, n_rows: int) -> StepTensors:
+        """Fixed-address views for a bucket of n_tokens tokens returning n_rows logit rows."""
+        return StepTensors(self.token_ids[:n_tokens], self.positions[:n_tokens], self.req_slot[:n_tokens],
+                           self.start_pos[:n_tokens], self.end_pos[:n_tokens], self.block_table,
+                           self.logit_rows[:n_rows])
+
+    def copy_from(self, host: "StepInputs") -> None:
+        for f in fields(self):  # not dataclasses.astuple, which deep-copies tensors
+            getattr(self, f.name).copy_(getattr(host, f.name), non_blocking=True)
+
+
+@dataclass
+class Segment:
+    """One request's tokens within one forward call."""
+    handle: int
+    slot: int
+    start: int          # position of the first token
+    tokens: list[int]
+
+
+def fill(host: StepInputs, segments: list[Segment], all_logits: bool, max_tokens: int) -> tuple[int, int, list]:
+    """Write one forward call's segments into the host buffers. Returns (bucket, rows, row owners)."""
+    n = sum(len(s.tokens) for s in segments)
+    bucket = bucket_for(n, max_tokens)
+    ids = torch.zeros(max_tokens, dtype=torch.int64)
+    pos = torch.zeros(max_tokens, dtype=torch.int32)
+    slot = torch.full((max_tokens,), PAD_SLOT, dtype=torch.int32)
+    start = torch.zeros(max_tokens, dtype=torch.int32)
+    end = torch.zeros(max_tokens, dtype=torch.int32)
+    rows: list[int] = []
+    owners: list[tuple[int, int]] = []  # (handle, number of rows) in row order
+    t = 0
+    for s in segments:
+        k = len(s.tokens)
+        ids[t:t + k] = torch.tensor(s.tokens, dtype=torch.int64)
+        pos[t:t + k] = torch.arange(s.start, s.start + k, dtype=torch.int32)
+        slot[t:t + k] = s.slot
+        start[t:t + k] = s.start
+        end[t:t + k] = s.start + k
+        if all_logits:
+            rows.extend(range(t, t + k))
+            owners.append((s.handle, k))
+        else:
+            rows.append(t + k - 1)
+            owners.append((s.handle, 1))
+        t += k
+    n_rows = bucket if all_logits else bucket_for(len(rows), bucket)
+    logit_rows = torch.zeros(max_tokens, dtype=torch.int64)
+    logit_rows[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
+    host.token_ids.copy_(ids)
+    host.positions.copy_(pos)
+    host.req_slot.copy_(slot)
+    host.start_pos.copy_(start)
+    host.end_pos.copy_(end)
+    host.logit_rows.copy_(logit_rows)
+    return bucket, n_rows, owners
+
+
+def split_segments(batch: list[Segment], max_tokens: int) -> list[list[Segment]]:
+    """Pack the step's segments into forward calls of at most max_tokens tokens, splitting long prompts."""
+    calls: list[list[Segment]] = [[]]
+    room = max_tokens
+    for seg in batch:
+        start, toks = seg.start, seg.tokens
+        while toks:
+            if room == 0:
+                calls.append([])
+                room = max_tokens
+            take = toks[:room]
+            calls[-1].append(Segment(seg.handle, seg.slot, start, take))
+            start += len(take)
+            toks = toks[len(take):]
+            room -= len(take)
+    return [c for c in calls if c]

@@ -1,0 +1,130 @@
+"""KV compressor family: store a step's (kv, score + ape) rows and close the windows that end in it.
+
+One op serves the three compressors of the spec (CSA main: overlap, d=512; CSA indexer: overlap,
+d=128; HCA: no overlap, d=512) for decode and prefill chunks alike.
+
+State of request slot r (fp32), c = 2 with overlap else 1, m = ratio:
+    kv_state / score_state [S+1, c*m, c*d]
+        overlap only: rows [0, m)  = full rows of the last closed window (their A halves feed the next entry)
+        rows [(c-1)*m, c*m)        = the open window, position q at row (c-1)*m + q mod m
+Entry w of a request (window [w*m, (w+1)*m)) is pooled (per-channel softmax over slots: A halves of
+window w-1 and B halves of window w with overlap; the m rows of window w without), RMS-normed,
+RoPE'd at position w*m, quantised and written to entry_cache[block_table[r, w // E], w % E]
+(E = entries per block). Tokens that close no window write zeros to the trash block (the last).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .kv_quant import QUANT_FP4, QUANT_FP8, fp4_row_bytes, fp8_row_bytes, store_rows
+from .rope import rope_rotate
+
+torch.library.define(
+    "dsv4rt::compressor_update",
+    "(Tensor kv, Tensor score, Tensor ape, Tensor norm_weight, Tensor inv_freq, Tensor(a!) kv_state, "
+    "Tensor(b!) score_state, Tensor(c!) entry_cache, Tensor req_slot, Tensor positions, Tensor start_pos, "
+    "Tensor end_pos, Tensor block_table, int ratio, bool overlap, int quant, float eps, ScalarType dtype) -> ()",
+)
+
+
+@torch.library.register_fake("dsv4rt::compressor_update")
+def _compressor_update_fake(kv, score, ape, norm_weight, inv_freq, kv_state, score_state, entry_cache, req_slot,
+                            positions, start_pos, end_pos, block_table, ratio, overlap, quant, eps, dtype) -> None:
+    c = 2 if overlap else 1
+    d = norm_weight.shape[0]
+    torch._check(kv.shape == score.shape and kv.shape[1] == c * d)
+    torch._check(kv.dtype == torch.float32 and score.dtype == torch.float32)
+    torch._check(ape.shape[0] == ratio and ape.shape[1] == c * d)
+    torch._check(kv_state.shape[1] == c * ratio and kv_state.shape[2] == c * d)
+    torch._check(kv_state.shape == score_state.shape and kv_state.dtype == torch.float32)
+    torch._check(block_table.dtype == torch.int32)
+    if quant == QUANT_FP8:
+        torch._check(entry_cache.dtype == torch.uint8 and entry_cache.shape[2] == fp8_row_bytes(d, 2 * inv_freq.shape[0]))
+    elif quant == QUANT_FP4:
+        torch._check(entry_cache.dtype == torch.uint8 and entry_cache.shape[2] == fp4_row_bytes(d))
+    else:  # stored as values (QUANT_NONE or a simulated format)
+        torch._check(entry_cache.dtype == dtype and entry_cache.shape[2] == d)
+
+
+def compressor_update_ref(kv: Tensor, score: Tensor, ape: Tensor, norm_weight: Tensor, inv_freq: Tensor,
+                          kv_state: Tensor, score_state: Tensor, entry_cache: Tensor, req_slot: Tensor,
+                          positions: Tensor, start_pos: Tensor, end_pos: Tensor, block_table: Tensor, ratio: int,
+                          overlap: bool, quant: int, eps: float, dtype: torch.dtype) -> None:
+    n_tok, cw = kv.shape
+    m, c = ratio, (2 if overlap else 1)
+    d = cw // c
+    n_slots = kv_state.shape[0]
+    dev = kv.device
+    valid = req_slot >= 0
+    slot = torch.where(valid, req_slot.long(), n_slots - 1)
+    p, s, e = positions.long(), start_pos.long(), end_pos.long()
+    sc = score + ape[p.remainder(m)]
+    tok = torch.arange(n_tok, device=dev)
+
+    # --- gather the rows of window w-1 (overlap) and window w for the window each token would close
+    closes = valid & ((p + 1).remainder(m) == 0)
+    w = torch.div(p + 1, m, rounding_mode="floor") - 1
+    r = torch.arange(c * m, device=dev)
+    q = (w[:, None] - (c - 1)) * m + r[None, :]  # [T, c*m] source positions
+    in_chunk = q >= s[:, None]
+    chunk_row = (tok[:, None] - (p[:, None] - q)).clamp(0, n_tok - 1)
+    open_start = torch.div(s, m, rounding_mode="floor") * m
+    state_row = torch.where(q >= open_start[:, None], (c - 1) * m + q.remainder(m), q.remainder(m))
+    src_kv = torch.where(in_chunk[..., None], kv[chunk_row], kv_state[slot[:, None], state_row])
+    src_sc = torch.where(in_chunk[..., None], sc[chunk_row], score_state[slot[:, None], state_row])
+    src_sc = torch.where((q >= 0)[..., None], src_sc, float("-inf"))
+    if overlap:
+        slot_kv = torch.cat((src_kv[:, :m, :d], src_kv[:, m:, d:]), dim=1)  # A halves of w-1, B halves of w
+        slot_sc = torch.cat((src_sc[:, :m, :d], src_sc[:, m:, d:]), dim=1)
+    else:
+        slot_kv, slot_sc = src_kv, src_sc
+    weights = torch.softmax(torch.where(closes[:, None, None], slot_sc, 0.0), dim=1)
+    pooled = (weights * torch.where(closes[:, None, None], slot_kv, 0.0)).sum(dim=1).to(dtype)  # [T, d]
+
+    # --- norm, RoPE at the window's first position, quantise, write through the block table
+    x32 = pooled.float()
+    normed = (norm_weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))).to(dtype)
+    entry = rope_rotate(normed, w.clamp_min(0) * m, inv_freq)
+    entry = torch.where(closes[:, None], entry, 0)
+    rows = store_rows(entry, 2 * inv_freq.shape[0], quant, entry_cache.dtype)
+    n_blocks, per_block, row_bytes = entry_cache.shape
+    wc = w.clamp(0, block_table.shape[1] * per_block - 1)
+    blk = torch.where(closes, block_table[slot, wc // per_block].long(), n_blocks - 1)
+    dst = torch.where(closes, blk * per_block + wc.remainder(per_block), (n_blocks - 1) * per_block)
+    entry_cache.view(n_blocks * per_block, row_bytes).index_copy_(0, dst, rows)
+
+    # --- state: the open window after the step, and (overlap) the last closed window's rows
+    rows_per_slot = c * m
+    in_open = valid & (p >= torch.div(e, m, rounding_mode="floor") * m)
+    open_dst = torch.where(in_open, slot * rows_per_slot + (c - 1) * m + p.remainder(m),
+                           (n_slots - 1) * rows_per_slot + (c - 1) * m + p.remainder(m))
+    kv_flat = kv_state.view(n_slots * rows_per_slot, cw)
+    sc_flat = score_state.view(n_slots * rows_per_slot, cw)
+    if overlap:
+        last_close = closes & (p + m >= e)
+        ov_slot = torch.where(last_close, slot, n_slots - 1)
+        ov_dst = (ov_slot[:, None] * rows_per_slot + torch.arange(m, device=dev)[None, :]).reshape(-1)
+        kv_flat.index_copy_(0, ov_dst, src_kv[:, m:].reshape(-1, cw))
+        sc_flat.index_copy_(0, ov_dst, src_sc[:, m:].reshape(-1, cw))
+    kv_flat.index_copy_(0, open_dst, kv)
+    sc_flat.index_copy_(0, open_dst, sc)
+
+
+torch.library.impl("dsv4rt::compressor_update", "CompositeExplicitAutograd", compressor_update_ref)
+
+
+def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, norm_weight: Tensor, inv_freq: Tensor, kv_state: Tensor,
+                      score_state: Tensor, entry_cache: Tensor, req_slot: Tensor, positions: Tensor,
+                      start_pos: Tensor, end_pos: Tensor, block_table: Tensor, ratio: int, overlap: bool, quant: int,
+                      eps: float, dtype: torch.dtype) -> None:
+    """Store a step's compressor rows and emit the entries of every window that closes in the step.
+
+    Shapes: kv, score [T, c*d] fp32 (projections; ape [m, c*d] is added here); norm_weight [d];
+    inv_freq [rd/2]; kv_state, score_state [S+1, c*m, c*d] fp32; entry_cache [NB+1, E, d or bytes];
+    req_slot/positions/start_pos/end_pos [T] int32; block_table [S+1, MB] int32.
+    Mutates: kv_state, score_state (open window, overlap rows), entry_cache (closed entries). Capture-safe.
+    """
+    torch.ops.dsv4rt.compressor_update.default(kv, score, ape, norm_weight, inv_freq, kv_state, score_state,
+                                               entry_cache, req_slot, positions, start_pos, end_pos, block_table,
+                                               ratio, overlap, quant, eps, dtype)
