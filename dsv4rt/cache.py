@@ -132,10 +132,12 @@ def cache_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "fp8", dtype: torch.
     main = kv_quant.fp8_row_bytes(cfg.head_dim, cfg.rope_dim) if kv_dtype == "fp8" else cfg.head_dim * el
     idx = kv_quant.fp4_row_bytes(cfg.index_head_dim) if kv_dtype == "fp8" else cfg.index_head_dim * el
     ring = cfg.sliding_window * main
-    out = {
+    # compressor state: kv_state + score_state, fp32, [c*m, c*d] each per request
+    csa_state = 2 * 4 * (2 * cfg.csa_ratio * 2 * cfg.head_dim + 2 * cfg.csa_ratio * 2 * cfg.index_head_dim)
+    hca_state = 2 * 4 * cfg.hca_ratio * cfg.head_dim
+    return {
         SLIDING: {"per_token": 0.0, "per_request": ring},
-        CSA: {"per_token": (main + idx) / cfg.csa_ratio,
-              "per_request": ring + 4 * (2 * cfg.csa_ratio * 2 * cfg.head_dim + 2 * cfg.csa_ratio * 2 * cfg.index_head_dim)},
-        HCA: {"per_token": main / cfg.hca_ratio, "per_request": ring + 4 * 2 * cfg.hca_ratio * cfg.head_dim},
+        CSA: {"per_token": (main + idx) / cfg.csa_ratio, "per_request": ring + csa_state},
+        HCA: {"per_token": main / cfg.hca_ratio, "per_request": ring + hca_state},
     }
-    return out
+

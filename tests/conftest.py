@@ -1,0 +1,23 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/oracle.py, tests/factories.py
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cuda_kernels():
+    if torch.cuda.is_available():
+        import dsv4rt.ops
+        dsv4rt.ops.load_cuda_kernels()
