@@ -90,6 +90,13 @@ def kv_fp8_dequantize_ref(q: Tensor, width: int, rope_dim: int, dtype: torch.dty
     return torch.cat((nope_vals, rope_vals), dim=-1).to(dtype)
 
 
+def bf16_round(x: Tensor) -> Tensor:
+    """fp32 values rounded to bf16 (nearest even), kept in fp32. Integer arithmetic on purpose: Inductor
+    keeps `x.to(bfloat16).float()` in fp32 inside fused kernels (emulate_precision_casts is off)."""
+    bits = x.float().view(torch.int32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).view(torch.float32)
+
+
 def kv_fp8_fake_quant(x: Tensor, rope_dim: int) -> Tensor:
     """Pure-torch quantise-dequantise of the FP8 row layout, written independently of the byte layout."""
     width = x.shape[-1]
@@ -98,7 +105,7 @@ def kv_fp8_fake_quant(x: Tensor, rope_dim: int) -> Tensor:
     xb = x[..., :nope].float().reshape(*lead, nope // FP8_BLOCK, FP8_BLOCK)
     scale = _pow2_scale(xb.abs().amax(-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR), FP8_MAX)
     deq = (xb / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
-    rope = x[..., nope:].to(torch.bfloat16).float()
+    rope = bf16_round(x[..., nope:])
     return torch.cat((deq.reshape(*lead, nope), rope), dim=-1).to(x.dtype)
 
 
@@ -145,13 +152,12 @@ def idx_fp4_fake_quant(x: Tensor) -> Tensor:
     scale = _pow2_scale(xb.abs().amax(-1, keepdim=True).clamp_min(FP4_AMAX_FLOOR), FP4_MAX)
     grid = torch.tensor(_E2M1_VALUES[:8], dtype=torch.float32, device=x.device)
     y = xb / scale
-    # nearest grid point, ties to the even code (lower index among equals when the lower code is even)
+    # nearest grid point; a tie lies between two adjacent codes, exactly one of them even: take that one
     dist = (y.abs().unsqueeze(-1) - grid).abs()
     best = dist.min(-1, keepdim=True).values
-    cand = dist == best
     code_idx = torch.arange(8, device=x.device)
-    even_pref = torch.where(cand, code_idx * 2 + (code_idx % 2), 100)  # among ties prefer even code
-    mag = grid[even_pref.argmin(-1)]
+    even_first = torch.where(dist == best, code_idx + 8 * (code_idx % 2), 100)  # odd codes rank after even ones
+    mag = grid[even_first.argmin(-1)]
     return (torch.copysign(mag, y) * scale).reshape(*lead, width).to(x.dtype)
 
 
