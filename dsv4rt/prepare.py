@@ -53,8 +53,18 @@ class StepInputs:
                            self.logit_rows[:n_rows])
 
     def copy_from(self, host: "StepInputs") -> None:
+        """Asynchronous when `host` is pinned and self is on a GPU."""
         for f in fields(self):  # not dataclasses.astuple, which deep-copies tensors
             getattr(self, f.name).copy_(getattr(host, f.name), non_blocking=True)
+
+
+def buckets_up_to(max_tokens: int) -> list[int]:
+    """Token buckets: powers of two up to max_tokens, and max_tokens itself."""
+    out, b = [], 1
+    while b < max_tokens:
+        out.append(b)
+        b *= 2
+    return out + [max_tokens]
 
 
 @dataclass
@@ -66,8 +76,15 @@ class Segment:
     tokens: list[int]
 
 
-def fill(host: StepInputs, segments: list[Segment], all_logits: bool, max_tokens: int) -> tuple[int, int, list]:
-    """Write one forward call's segments into the host buffers. Returns (bucket, rows, row owners)."""
+def logit_rows_for(bucket: int, all_logits: bool, rows_cap: int) -> int:
+    """Logit rows a bucket returns: every token, or one per request (at most rows_cap requests per call)."""
+    return bucket if all_logits else min(bucket, rows_cap)
+
+
+def fill(host: StepInputs, segments: list[Segment], all_logits: bool, max_tokens: int,
+         rows_cap: int) -> tuple[int, int, list]:
+    """Write one forward call's segments (not the block table) into the host buffers.
+    Returns (bucket, logit rows, [(handle, rows of that handle)] in row order)."""
     n = sum(len(s.tokens) for s in segments)
     bucket = bucket_for(n, max_tokens)
     ids = torch.zeros(max_tokens, dtype=torch.int64)
@@ -92,7 +109,7 @@ def fill(host: StepInputs, segments: list[Segment], all_logits: bool, max_tokens
             rows.append(t + k - 1)
             owners.append((s.handle, 1))
         t += k
-    n_rows = bucket if all_logits else bucket_for(len(rows), bucket)
+    n_rows = logit_rows_for(bucket, all_logits, rows_cap)
     logit_rows = torch.zeros(max_tokens, dtype=torch.int64)
     logit_rows[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
     host.token_ids.copy_(ids)

@@ -1,17 +1,21 @@
 """The serving loop's public face: admit / step / release / generate over a fixed set of request slots."""
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .cache import KVCache
-from .config import BLOCK_TOKENS
+from dsv4rt.graphs import GraphRunner
+from dsv4rt.ops.kv_quant import store_rows
+
+from .cache import BlockAllocator, KVCache
+from .config import BLOCK_TOKENS, CSA
 from .model import Model, StepTensors
-from .prepare import Segment, StepInputs, fill, split_segments
+from .prepare import Segment, StepInputs, bucket_for, buckets_up_to, fill, logit_rows_for, split_segments
 
 
 class RequestError(ValueError):
@@ -50,12 +54,17 @@ class Runtime:
     kv_dtype: "auto" (activation dtype), "fp8" (FP8 rows + FP4 indexer keys, stored for real) or
     "fp8_sim" (the same numerics, fake-quantised values kept in the activation dtype).
     compile: run the step through torch.compile(fullgraph=True).
+    graphs: capture the compiled step as one CUDA graph per token bucket and replay it (default: on for
+        CUDA models). Buckets are the powers of two up to max_tokens_per_step (decode batches and prefill
+        chunks alike); graphs that return every position's logits are captured on first use.
     max_tokens_per_step: tokens per forward call; longer steps are split into several calls.
     num_blocks: size of the block pool (default: enough for every slot at max_context).
+    log: where progress lines go (default: stderr).
     """
 
     def __init__(self, model: Model, max_requests: int = 8, max_context: int = 4096, kv_dtype: str = "auto",
-                 compile: bool = False, max_tokens_per_step: int | None = None, num_blocks: int | None = None) -> None:
+                 compile: bool = False, max_tokens_per_step: int | None = None, num_blocks: int | None = None,
+                 graphs: Optional[bool] = None, log: Optional[Callable[[str], None]] = None) -> None:
         if max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}")
         if max_context < 1:
@@ -70,22 +79,47 @@ class Runtime:
             raise ValueError(f"max_tokens_per_step ({self.max_tokens}) must be >= max_requests ({max_requests})")
         self.cache = KVCache(self.cfg, max_requests, max_context, kv_dtype, model.dtype, self.device, num_blocks)
         self.kv_dtype = kv_dtype
-        from .cache import BlockAllocator
         self.allocator = BlockAllocator(self.cache.num_blocks)
         trash = self.cache.num_blocks
+        self.rows_cap = bucket_for(max_requests, self.max_tokens)
         self.inputs = StepInputs.allocate(self.max_tokens, max_requests, self.cache.max_blocks, trash, self.device)
-        self.host = StepInputs.allocate(self.max_tokens, max_requests, self.cache.max_blocks, trash, "cpu",
-                                        pin=self.device.type == "cuda")
+        # host side: the block table master copy and two pinned staging buffers, each guarded by the event of
+        # the copy that last read it (rewriting staging under an in-flight non_blocking copy is a silent race)
+        self.block_table = torch.full((max_requests + 1, self.cache.max_blocks), trash, dtype=torch.int32)
+        on_gpu = self.device.type == "cuda"
+        self._stages = [StepInputs.allocate(self.max_tokens, max_requests, self.cache.max_blocks, trash, "cpu",
+                                            pin=on_gpu) for _ in range(2 if on_gpu else 1)]
+        self._stage_events: list[Optional[torch.cuda.Event]] = [None] * len(self._stages)
+        self._stage_i = 0
         self._step = Step(model, self.cache)
-        self.compiled = compile
-        if compile:
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.graphs = on_gpu if graphs is None else graphs
+        if self.graphs and not on_gpu:
+            raise ValueError("graphs=True needs a model on a CUDA device")
+        self.compiled = compile or self.graphs
+        if self.compiled:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.runner: Optional[GraphRunner] = None
+        self.startup_seconds = 0.0
+        if self.graphs:
+            self.runner = GraphRunner(self._step, self._bucket_args, log=self.log)
+            keys = [(b, False) for b in buckets_up_to(self.max_tokens)]
+            self.log(f"compiling and capturing {len(keys)} buckets (tokens {keys[0][0]}..{keys[-1][0]}) ...")
+            self.startup_seconds = self.runner.capture(keys, order=lambda k: k[0])
+            self.log(f"compile + capture: {self.startup_seconds:.1f}s for {len(keys)} graphs "
+                     "(a second start in the same environment reuses the compile cache)")
+            self._fn = None
+        elif compile:
             self._fn = torch.compile(self._step, fullgraph=True, dynamic=False)
         else:
             self._fn = self._step
         self._requests: dict[int, _Request] = {}
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._next_handle = 0
+
+    def _bucket_args(self, key: tuple[int, bool]) -> StepTensors:
+        bucket, all_logits = key
+        return self.inputs.args(bucket, logit_rows_for(bucket, all_logits, self.rows_cap))
 
     # ------------------------------------------------------------------ lifecycle
     def admit(self) -> int:
@@ -103,7 +137,7 @@ class Runtime:
         """Free the request's slot and blocks."""
         req = self._get(handle)
         self.allocator.free(req.blocks)
-        self.host.block_table[req.slot].fill_(self.cache.num_blocks)
+        self.block_table[req.slot].fill_(self.cache.num_blocks)
         self._free_slots.append(req.slot)
         del self._requests[handle]
 
@@ -153,10 +187,38 @@ class Runtime:
             if n_new > 0:
                 first = len(req.blocks)
                 req.blocks.extend(self.allocator.allocate(n_new))
-                self.host.block_table[req.slot, first:len(req.blocks)] = torch.tensor(req.blocks[first:],
-                                                                                       dtype=torch.int32)
+                self.block_table[req.slot, first:len(req.blocks)] = torch.tensor(req.blocks[first:],
+                                                                                  dtype=torch.int32)
 
     # ------------------------------------------------------------------ step
+    def _stage(self) -> StepInputs:
+        """Next host staging buffer, once the copy that last read it has finished."""
+        self._stage_i = (self._stage_i + 1) % len(self._stages)
+        event = self._stage_events[self._stage_i]
+        if event is not None:
+            event.synchronize()  # only waits when the host runs two steps ahead of the device
+        return self._stages[self._stage_i]
+
+    def _launch(self, call: list[Segment], all_logits: bool) -> tuple[torch.Tensor, list]:
+        """Prepare one forward call and launch it; returns the device logits (no host sync) and row owners."""
+        stage = self._stage()
+        bucket, n_rows, owners = fill(stage, call, all_logits, self.max_tokens, self.rows_cap)
+        stage.block_table.copy_(self.block_table)
+        self.inputs.copy_from(stage)
+        if self.device.type == "cuda":
+            event = self._stage_events[self._stage_i] or torch.cuda.Event()
+            event.record()
+            self._stage_events[self._stage_i] = event
+        if self.runner is not None:
+            key = (bucket, all_logits)
+            if not self.runner.has(key):
+                self.log(f"capturing bucket {key} on first use ...")
+                self.runner.capture([key])
+            logits = self.runner.replay(key)
+        else:
+            logits = self._fn(self.inputs.args(bucket, n_rows))
+        return logits, owners
+
     @torch.no_grad()
     def step(self, batch: Mapping[int, Sequence[int]], all_logits: bool = False) -> dict[int, torch.Tensor]:
         """Process new tokens for some live requests. Returns {handle: fp32 logits [n, vocab]} on the CPU,
@@ -165,9 +227,8 @@ class Runtime:
         self._allocate(segments)
         pieces: dict[int, list[torch.Tensor]] = {s.handle: [] for s in segments}
         for call in split_segments(segments, self.max_tokens):
-            bucket, n_rows, owners = fill(self.host, call, all_logits, self.max_tokens)
-            self.inputs.copy_from(self.host)
-            logits = self._fn(self.inputs.args(bucket, n_rows)).float().cpu()
+            logits, owners = self._launch(call, all_logits)
+            logits = logits.cpu()  # the step's only host-device synchronisation
             r = 0
             for handle, k in owners:
                 pieces[handle].append(logits[r:r + k])
@@ -177,6 +238,48 @@ class Runtime:
         if all_logits:
             return {h: torch.cat(p) for h, p in pieces.items()}
         return {h: p[-1] for h, p in pieces.items()}
+
+    # ------------------------------------------------------------------ synthetic fast-forward
+    @torch.no_grad()
+    def admit_synthetic(self, context: int, seed: int = 0) -> int:
+        """Admit a request whose caches hold random valid content for `context` processed tokens (sliding
+        ring, compressed entries, indexer keys, compressor state), so long-context steps can be timed
+        without running the prefill. Its outputs are meaningless; its cost per step is real."""
+        if not 0 <= context < self.max_context:
+            raise RequestError(f"synthetic context {context} must be in [0, max_context={self.max_context})")
+        need = self.cache.blocks_needed(context)
+        if need > self.allocator.num_free:
+            raise CapacityError(f"block allocator exhausted: {need} blocks needed, {self.allocator.num_free} free")
+        handle = self.admit()
+        req = self._requests[handle]
+        req.blocks = self.allocator.allocate(need)
+        self.block_table[req.slot, :need] = torch.tensor(req.blocks, dtype=torch.int32)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        cfg, dt = self.cfg, self.model.dtype
+        blocks = torch.tensor(req.blocks, dtype=torch.long, device=self.device)
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen, device=self.device)
+
+        for lc in self.cache.layers:
+            lc.swa[req.slot] = store_rows(rand(cfg.sliding_window, cfg.head_dim), cfg.rope_dim, lc.main_quant,
+                                          lc.swa.dtype).to(dt if lc.swa.dtype != torch.uint8 else torch.uint8)
+            if lc.layer_type == "sliding":
+                continue
+            lc.kv_state[req.slot] = rand(*lc.kv_state.shape[1:])
+            lc.score_state[req.slot] = rand(*lc.score_state.shape[1:])
+            if need:
+                per_block = lc.entries.shape[1]
+                lc.entries[blocks] = store_rows(rand(need, per_block, cfg.head_dim), cfg.rope_dim, lc.main_quant,
+                                                lc.entries.dtype)
+            if lc.layer_type == CSA:
+                lc.idx_kv_state[req.slot] = rand(*lc.idx_kv_state.shape[1:])
+                lc.idx_score_state[req.slot] = rand(*lc.idx_score_state.shape[1:])
+                if need:
+                    lc.idx_entries[blocks] = store_rows(rand(need, lc.idx_entries.shape[1], cfg.index_head_dim), 0,
+                                                        lc.idx_quant, lc.idx_entries.dtype)
+        req.pos = context
+        return handle
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Iterable[Sequence[int]], max_new_tokens: int = 16, temperature: float = 0.0,

@@ -4,30 +4,8 @@ from __future__ import annotations
 import torch
 
 import dsv4rt
-from dsv4rt.config import CSA, HASH_MOE, HCA, SLIDING
-
-_HF_LAYER = {SLIDING: "sliding_attention", CSA: "compressed_sparse_attention", HCA: "heavily_compressed_attention"}
-_HF_MLP = {HASH_MOE: "hash_moe", "moe": "moe"}
-
-
-def hf_config(cfg: dsv4rt.ModelConfig):
-    from transformers import DeepseekV4Config
-
-    hc = DeepseekV4Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, moe_intermediate_size=cfg.moe_inter,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, head_dim=cfg.head_dim,
-        q_lora_rank=cfg.q_lora_rank, o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank,
-        sliding_window=cfg.sliding_window, index_n_heads=cfg.index_heads, index_head_dim=cfg.index_head_dim,
-        index_topk=cfg.index_topk, n_routed_experts=cfg.n_experts, num_experts_per_tok=cfg.n_active,
-        routed_scaling_factor=cfg.routed_scale, swiglu_limit=cfg.swiglu_limit,
-        layer_types=[_HF_LAYER[t] for t in cfg.layer_types],
-        compress_rates={"compressed_sparse_attention": cfg.csa_ratio, "heavily_compressed_attention": cfg.hca_ratio},
-        mlp_layer_types=[_HF_MLP[t] for t in cfg.mlp_types], partial_rotary_factor=cfg.rope_dim / cfg.head_dim,
-        rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
-                         "beta_fast": 32, "beta_slow": 1},
-    )
-    hc._attn_implementation = "eager"
-    return hc
+from dsv4rt.hf import hf_config_for as hf_config
+from dsv4rt.hf import hf_state_dict
 
 
 def hf_model(cfg: dsv4rt.ModelConfig, seed: int = 0):
@@ -36,8 +14,7 @@ def hf_model(cfg: dsv4rt.ModelConfig, seed: int = 0):
 
     ours = dsv4rt.Model.random(cfg, seed=seed)
     hf = DeepseekV4ForCausalLM(hf_config(cfg)).eval()
-    sd = {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v for k, v in ours.state_dict().items()}
-    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    missing, unexpected = hf.load_state_dict(hf_state_dict(ours), strict=False)
     assert not unexpected, unexpected
     assert all("rotary_emb" in k for k in missing), missing
     return hf

@@ -1,0 +1,193 @@
+"""Decode-step latency against the HBM floor and HF eager (`python -m dsv4rt bench`, tests/bench/).
+
+Numbers come from the device the command runs on, in one process: the copy bandwidth used for the
+floor is measured in the same run, and the HF baseline runs the same weights on the same card.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dsv4rt.ops import kernel_coverage, moe
+
+from .config import CSA, HCA, SLIDING, ModelConfig
+from .model import Model
+from .runtime import Runtime
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting read + write."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        b.copy_(a)
+    end.record()
+    end.synchronize()
+    return 2 * nbytes * iters / (start.elapsed_time(end) / 1e3)
+
+
+def _param_bytes(model: Model, include) -> int:
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if include(n))
+
+
+def step_bytes(model: Model, rt: Runtime, batch: int, context: int, distinct_experts: list[int]) -> int:
+    """Bytes one decode step must touch: weights it reads (embedding rows, every dense weight, the shared
+    experts, the routed experts the batch chose) and the cache rows its attention and indexer read."""
+    cfg = model.cfg
+    dense = _param_bytes(model, lambda n: ".experts." not in n and not n.startswith("embed_tokens"))
+    emb = batch * cfg.hidden_size * model.embed_tokens.weight.element_size()
+    per_expert = sum(p[0].numel() * p.element_size() for n, p in model.named_parameters()
+                     if n.startswith("layers.0.mlp.experts."))
+    routed = per_expert * sum(distinct_experts)
+    cache = 0
+    for lc in rt.cache.layers:
+        row = lc.swa.shape[-1] * lc.swa.element_size()
+        n_rows = min(context + 1, cfg.sliding_window)
+        cache += batch * n_rows * row
+        if lc.layer_type == CSA:
+            n = (context + 1) // cfg.csa_ratio
+            cache += batch * (min(cfg.index_topk, n) * row + n * lc.idx_entries.shape[-1] * lc.idx_entries.element_size())
+        elif lc.layer_type == HCA:
+            cache += batch * ((context + 1) // cfg.hca_ratio) * row
+    return dense + emb + routed + cache
+
+
+def _distinct_experts(rt: Runtime, bucket: int) -> list[int]:
+    """Distinct routed experts per layer for the batch now in the step inputs (one eager forward)."""
+    seen: list[int] = []
+    real = moe.moe_experts
+    n_live = int((rt.inputs.req_slot[:bucket] >= 0).sum())
+
+    def spy(x, w13, w2, weights, ids, limit):
+        seen.append(int(ids[:n_live].unique().numel()))
+        return real(x, w13, w2, weights, ids, limit)
+
+    moe.moe_experts = spy
+    try:
+        with torch.no_grad():
+            rt._step(rt.inputs.args(bucket, min(bucket, rt.rows_cap)))
+    finally:
+        moe.moe_experts = real
+    return seen
+
+
+@dataclass
+class Row:
+    model: str
+    batch: int
+    context: int
+    ms_step: float
+    ms_layer: float
+    floor_ms: float
+    hf_ms: Optional[float]
+    host_ms: float
+
+    def markdown(self) -> str:
+        hf = f"{self.hf_ms:.2f}" if self.hf_ms else "-"
+        speed = f"{self.hf_ms / self.ms_step:.1f}x" if self.hf_ms else "-"
+        return (f"| {self.model} | {self.batch} | {self.context} | {self.ms_step:.3f} | {self.ms_layer:.3f} | "
+                f"{self.floor_ms:.3f} | {self.floor_ms / self.ms_step:.2f} | {hf} | {speed} | {self.host_ms:.3f} |")
+
+
+HEADER = ("| model | batch | context | ms/step | ms/layer | HBM floor ms | floor/measured | HF eager ms | "
+          "speedup | host ms/step |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def time_decode(rt: Runtime, handles: list[int], iters: int = 20) -> tuple[float, float, int]:
+    """(device ms per replayed decode step, host ms per step for prepare + copies + launch, bucket)."""
+    batch = {h: [1] for h in handles}
+    segs = rt._validate(batch)
+    rt._allocate(segs)
+    logits, _ = rt._launch(segs, all_logits=False)  # fills the inputs; positions stay fixed while timing
+    torch.cuda.synchronize()
+    host = 0.0
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        rt._launch(segs, all_logits=False)
+        host += time.perf_counter() - t0
+        torch.cuda.synchronize()
+    key = min(k for k in rt.runner.graphs if k[0] >= len(handles) and not k[1])
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        rt.runner.graphs[key].replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters, host * 1e3 / iters, key[0]
+
+
+def hf_decode_ms(model: Model, batch: int, context: int, iters: int = 5) -> Optional[float]:
+    """HF transformers eager, same weights, same card: ms per decode step after a `context`-token prefill."""
+    try:
+        from transformers import DynamicCache
+    except ImportError:
+        return None
+    from .hf import hf_model_for
+
+    cfg = model.cfg
+    hf = hf_model_for(model)
+    ids = torch.randint(0, cfg.vocab_size, (batch, context), device=model.device)
+    with torch.no_grad():
+        past = DynamicCache(config=hf.config)
+        hf(input_ids=ids, past_key_values=past, use_cache=True)
+        tok = ids[:, -1:]
+        hf(input_ids=tok, past_key_values=past, use_cache=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            hf(input_ids=tok, past_key_values=past, use_cache=True)
+        torch.cuda.synchronize()
+    del hf, past
+    torch.cuda.empty_cache()
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def run(preset: str = "tiny", layers: Optional[int] = None, experts: Optional[int] = None,
+        batches=(1, 8, 32), contexts=(4096,), long_contexts=(65536, 1048576), kv_dtype: str = "fp8",
+        dtype: torch.dtype = torch.bfloat16, hf: bool = True, hf_max_batch: int = 8, out=sys.stdout) -> list[Row]:
+    """Decode latency table for one model. Long contexts run at batch 1 (fast-forwarded caches)."""
+    cfg = {"tiny": ModelConfig.tiny, "flash": ModelConfig.flash, "pro": ModelConfig.pro}[preset]()
+    if experts:
+        cfg = cfg.replace(n_experts=experts, n_active=min(cfg.n_active, experts))
+    if layers:
+        cfg = cfg.truncated(layers)
+    device = torch.device("cuda")
+    model = Model.random(cfg, seed=0, dtype=dtype, device=device)
+    bw = copy_bandwidth(device)
+    name = f"{preset} L{cfg.num_layers} E{cfg.n_experts}"
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s",
+          file=out)
+    cover = kernel_coverage()
+    print("native kernels: " + (", ".join(k for k, v in cover.items() if v == "native") or "none") +
+          "; reference ops: " + ", ".join(k for k, v in cover.items() if v == "reference"), file=out)
+    rows: list[Row] = []
+    plan = [(b, c) for c in contexts for b in batches] + [(1, c) for c in long_contexts]
+    for context in sorted(set(c for _, c in plan)):
+        bs = sorted(b for b, c in plan if c == context)
+        rt = Runtime(model, max_requests=max(bs), max_context=context + 64, kv_dtype=kv_dtype,
+                     max_tokens_per_step=max(bs), log=lambda m: print(m, file=sys.stderr, flush=True))
+        for b in bs:
+            handles = [rt.admit_synthetic(context, seed=i) for i in range(b)]
+            ms, host_ms, bucket = time_decode(rt, handles)
+            distinct = _distinct_experts(rt, bucket)
+            floor = step_bytes(model, rt, b, context, distinct) / bw * 1e3
+            hf_ms = hf_decode_ms(model, b, context) if hf and b <= hf_max_batch and context <= 8192 else None
+            row = Row(name, b, context, ms, ms / cfg.num_layers, floor, hf_ms, host_ms)
+            rows.append(row)
+            print(row.markdown(), file=sys.stderr, flush=True)
+            for h in handles:
+                rt.release(h)
+        del rt
+        torch.cuda.empty_cache()
+    print(HEADER, file=out)
+    for r in rows:
+        print(r.markdown(), file=out)
+    return rows

@@ -1,0 +1,30 @@
+"""Decode step latency, graph-replayed (pytest --benchmark-only; cuda)."""
+import pytest
+import torch
+
+import dsv4rt
+from dsv4rt import bench
+
+pytestmark = pytest.mark.cuda
+BATCHES = [1, 8, 32]  # decode buckets; 3 requests would share the 4-bucket
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    model = dsv4rt.Model.random(dsv4rt.ModelConfig.tiny(), dtype=torch.bfloat16, device="cuda")
+    return dsv4rt.Runtime(model, max_requests=max(BATCHES), max_context=4096 + 64, kv_dtype="fp8",
+                          max_tokens_per_step=max(BATCHES))
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_bench_decode_tiny(benchmark, runtime, batch):
+    handles = [runtime.admit_synthetic(4096, seed=i) for i in range(batch)]
+    try:
+        _, host_ms, bucket = bench.time_decode(runtime, handles, iters=5)
+        graph = runtime.runner.graphs[(bucket, False)]
+        benchmark.extra_info.update(device=torch.cuda.get_device_name(), batch=batch, context=4096,
+                                    host_ms=host_ms, kernels=dsv4rt.ops.kernel_coverage())
+        benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=50, warmup_rounds=5)
+    finally:
+        for h in handles:
+            runtime.release(h)

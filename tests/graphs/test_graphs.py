@@ -1,0 +1,96 @@
+"""CUDA graph capture and replay of the whole step (cuda tests; run in their own pytest process)."""
+import pytest
+import torch
+
+import dsv4rt
+from oracle import hf_model, hf_run, rel_err
+
+pytestmark = pytest.mark.cuda
+CFG = dsv4rt.ModelConfig.tiny()
+
+
+def tokens(n, seed):
+    return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dsv4rt.Model.random(CFG, seed=0, device="cuda")
+
+
+def drive(rt, n_requests=3):
+    """Prefill chunks of every size class, decodes at batch 1..n (3 requests land in the 4-bucket)."""
+    seqs = [tokens(90, 10 + i) for i in range(n_requests)]
+    hs = [rt.admit() for _ in seqs]
+    outs = []
+    sizes = [1, 2, 3, 5, 8, 16, 31]  # prefill chunks for request 0: buckets 1, 2, 4, 8, 8, 16, 32
+    pos = 0
+    for s in sizes:
+        outs.append(rt.step({hs[0]: seqs[0][pos:pos + s]}, all_logits=True)[hs[0]])
+        pos += s
+    outs.append(torch.cat(list(rt.step({hs[1]: seqs[1][:20], hs[2]: seqs[2][:9]}, all_logits=True).values())))
+    for i in range(12):  # decode: batch 3 (bucket 4), then batch 2, then batch 1
+        live = hs[: 3 - i // 4]
+        out = rt.step({h: [seqs[j][pos + i if j == 0 else 20 + i]] for j, h in enumerate(live)})
+        outs += list(out.values())
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_replay_equals_eager(model, kv_dtype):
+    kw = dict(max_requests=4, max_context=128, kv_dtype=kv_dtype, max_tokens_per_step=32)
+    eager = drive(dsv4rt.Runtime(model, graphs=False, **kw))
+    rt = dsv4rt.Runtime(model, graphs=True, **kw)
+    replayed = drive(rt)
+    assert set(k[0] for k in rt.runner.graphs) == {1, 2, 4, 8, 16, 32}
+    err = rel_err(replayed, eager)
+    print(f"replay vs eager ({kv_dtype}): {err:.2e} relative")
+    assert err <= (1e-6 if kv_dtype == "auto" else 1e-3)  # fp8: see tests/test_compile.py on rounding flips
+
+
+def test_graph_mode_parity_with_hf():
+    hf = hf_model(CFG, seed=0)
+    ours = dsv4rt.Model.from_hf_state_dict(CFG, hf.state_dict(), device="cuda")
+    hf = hf.cuda()
+    seq = tokens(90, 3)
+    rt = dsv4rt.Runtime(ours, max_requests=2, max_context=128, max_tokens_per_step=32)
+    r = rt.admit()
+    got = torch.cat([rt.step({r: seq[:45]}, all_logits=True)[r]] +
+                    [rt.step({r: [t]}, all_logits=True)[r] for t in seq[45:]])
+    ref = hf_run(hf, [seq]).cpu()
+    err = rel_err(got, ref)
+    print(f"graph mode vs HF (float32, cuda): {err:.2e} relative")
+    assert err <= 1e-4
+
+
+def test_thousand_decode_steps_no_recapture_no_alloc_no_sync(model):
+    rt = dsv4rt.Runtime(model, max_requests=8, max_context=1024, max_tokens_per_step=16)
+    n_graphs = len(rt.runner.graphs)
+    g = torch.Generator().manual_seed(0)
+    live = {rt.admit(): 0 for _ in range(5)}
+    for h in live:
+        rt.step({h: tokens(7, h)})
+        live[h] = 7
+    torch.cuda.synchronize()
+    mem = torch.cuda.memory_allocated()
+    for step in range(1000):
+        if step % 37 == 5 and len(live) > 1:  # churn: release one, admit one, both between replays
+            h = list(live)[int(torch.randint(len(live), (1,), generator=g))]
+            rt.release(h)
+            del live[h]
+        if step % 37 == 20 and len(live) < 8:
+            live[rt.admit()] = 0
+        batch = {h: [int(torch.randint(CFG.vocab_size, (1,), generator=g))] for h in live}
+        segments = rt._validate(batch)
+        rt._allocate(segments)
+        torch.cuda.set_sync_debug_mode("error")  # raises on any synchronising call inside the step
+        try:
+            logits, owners = rt._launch(segments, all_logits=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        logits.cpu()  # reading the logits: the one synchronisation
+        for s in segments:
+            rt._requests[s.handle].pos += 1
+        assert torch.cuda.memory_allocated() == mem, f"step {step}: memory_allocated moved"
+    assert len(rt.runner.graphs) == n_graphs  # no recapture
+    assert rt.runner.replays >= 1000
