@@ -152,7 +152,8 @@ def hf_decode_ms(model: Model, batch: int, context: int, iters: int = 5) -> Opti
 
 def run(preset: str = "tiny", layers: Optional[int] = None, experts: Optional[int] = None,
         batches=(1, 8, 32), contexts=(4096,), long_contexts=(65536, 1048576), kv_dtype: str = "fp8",
-        dtype: torch.dtype = torch.bfloat16, hf: bool = True, hf_max_batch: int = 8, out=sys.stdout) -> list[Row]:
+        dtype: torch.dtype = torch.bfloat16, hf: bool = True, hf_max_batch: int = 8, backend: str = "aot_eager",
+        out=sys.stdout) -> list[Row]:
     """Decode latency table for one model. Long contexts run at batch 1 (fast-forwarded caches)."""
     cfg = {"tiny": ModelConfig.tiny, "flash": ModelConfig.flash, "pro": ModelConfig.pro}[preset]()
     if experts:
@@ -163,8 +164,8 @@ def run(preset: str = "tiny", layers: Optional[int] = None, experts: Optional[in
     model = Model.random(cfg, seed=0, dtype=dtype, device=device)
     bw = copy_bandwidth(device)
     name = f"{preset} L{cfg.num_layers} E{cfg.n_experts}"
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s",
-          file=out)
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s, "
+          f"{dtype} weights, kv_dtype={kv_dtype}, compile backend {backend}", file=out)
     cover = kernel_coverage()
     print("native kernels: " + (", ".join(k for k, v in cover.items() if v == "native") or "none") +
           "; reference ops: " + ", ".join(k for k, v in cover.items() if v == "reference"), file=out)
@@ -173,7 +174,8 @@ def run(preset: str = "tiny", layers: Optional[int] = None, experts: Optional[in
     for context in sorted(set(c for _, c in plan)):
         bs = sorted(b for b, c in plan if c == context)
         rt = Runtime(model, max_requests=max(bs), max_context=context + 64, kv_dtype=kv_dtype,
-                     max_tokens_per_step=max(bs), log=lambda m: print(m, file=sys.stderr, flush=True))
+                     max_tokens_per_step=max(bs), backend=backend,
+                     log=lambda m: print(m, file=sys.stderr, flush=True))
         for b in bs:
             handles = [rt.admit_synthetic(context, seed=i) for i in range(b)]
             ms, host_ms, bucket = time_decode(rt, handles)

@@ -11,6 +11,7 @@ from torch import nn
 
 from dsv4rt.graphs import GraphRunner
 from dsv4rt.ops.kv_quant import store_rows
+from dsv4rt.ops.swa import PAD_SLOT
 
 from .cache import BlockAllocator, KVCache
 from .config import BLOCK_TOKENS, CSA
@@ -59,12 +60,16 @@ class Runtime:
         chunks alike); graphs that return every position's logits are captured on first use.
     max_tokens_per_step: tokens per forward call; longer steps are split into several calls.
     num_blocks: size of the block pool (default: enough for every slot at max_context).
+    backend: torch.compile backend: "inductor" or "aot_eager" (the same fullgraph trace without code
+        generation). Default: "inductor" for compile=True, "aot_eager" for graphs, because Inductor's
+        cold start on the GPU machines measured > 240 s for one bucket of the tiny model.
     log: where progress lines go (default: stderr).
     """
 
     def __init__(self, model: Model, max_requests: int = 8, max_context: int = 4096, kv_dtype: str = "auto",
                  compile: bool = False, max_tokens_per_step: int | None = None, num_blocks: int | None = None,
-                 graphs: Optional[bool] = None, log: Optional[Callable[[str], None]] = None) -> None:
+                 graphs: Optional[bool] = None, backend: Optional[str] = None,
+                 log: Optional[Callable[[str], None]] = None) -> None:
         if max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}")
         if max_context < 1:
@@ -97,12 +102,14 @@ class Runtime:
         if self.graphs and not on_gpu:
             raise ValueError("graphs=True needs a model on a CUDA device")
         self.compiled = compile or self.graphs
+        backend = backend or ("aot_eager" if self.graphs else "inductor")
+        self.backend = backend
         if self.compiled:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.runner: Optional[GraphRunner] = None
         self.startup_seconds = 0.0
         if self.graphs:
-            self.runner = GraphRunner(self._step, self._bucket_args, log=self.log)
+            self.runner = GraphRunner(self._step, self._bucket_args, log=self.log, backend=backend)
             keys = [(b, False) for b in buckets_up_to(self.max_tokens)]
             self.log(f"compiling and capturing {len(keys)} buckets (tokens {keys[0][0]}..{keys[-1][0]}) ...")
             self.startup_seconds = self.runner.capture(keys, order=lambda k: k[0])
@@ -110,7 +117,7 @@ class Runtime:
                      "(a second start in the same environment reuses the compile cache)")
             self._fn = None
         elif compile:
-            self._fn = torch.compile(self._step, fullgraph=True, dynamic=False)
+            self._fn = torch.compile(self._step, fullgraph=True, dynamic=False, backend=backend)
         else:
             self._fn = self._step
         self._requests: dict[int, _Request] = {}
@@ -204,16 +211,19 @@ class Runtime:
         stage = self._stage()
         bucket, n_rows, owners = fill(stage, call, all_logits, self.max_tokens, self.rows_cap)
         stage.block_table.copy_(self.block_table)
+        key = (bucket, all_logits)
+        if self.runner is not None and not self.runner.has(key):
+            # Warm-up and capture run the step: do it on padding, before the real inputs land, so that no
+            # cache or compressor state is written twice (the step is not idempotent).
+            self.log(f"capturing bucket {key} on first use ...")
+            self.inputs.req_slot.fill_(PAD_SLOT)
+            self.runner.capture([key])
         self.inputs.copy_from(stage)
         if self.device.type == "cuda":
             event = self._stage_events[self._stage_i] or torch.cuda.Event()
             event.record()
             self._stage_events[self._stage_i] = event
         if self.runner is not None:
-            key = (bucket, all_logits)
-            if not self.runner.has(key):
-                self.log(f"capturing bucket {key} on first use ...")
-                self.runner.capture([key])
             logits = self.runner.replay(key)
         else:
             logits = self._fn(self.inputs.args(bucket, n_rows))

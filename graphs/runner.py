@@ -22,8 +22,9 @@ class GraphRunner:
     """One compiled function, one CUDA graph per bucket key, one shared memory pool and capture stream."""
 
     def __init__(self, fn: Callable[[Any], torch.Tensor], args_for: Callable[[Hashable], Any],
-                 log: Optional[Callable[[str], None]] = None, compile: bool = True) -> None:
-        self.fn = torch.compile(fn, fullgraph=True, dynamic=False) if compile else fn
+                 log: Optional[Callable[[str], None]] = None, backend: str = "inductor") -> None:
+        # backend: "inductor" (fused kernels) or "aot_eager" (same trace, no codegen: fast to capture)
+        self.fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
         self.args_for = args_for
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}

@@ -26,8 +26,6 @@ FP4_MAX = 6.0
 FP8_AMAX_FLOOR = 1e-4
 FP4_AMAX_FLOOR = 6.0 * 2.0**-126
 
-# e2m1 code -> value (code bit 3 is the sign)
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def fp8_row_bytes(width: int, rope_dim: int) -> int:
@@ -117,9 +115,16 @@ def _e2m1_encode(y: Tensor) -> Tensor:
     return mag.to(torch.uint8) | ((y < 0).to(torch.uint8) << 3)
 
 
+def _e2m1_magnitude(code: Tensor) -> Tensor:
+    """Value of e2m1 magnitude codes 0..7 (0, 0.5, 1, 1.5, 2, 3, 4, 6), computed, not looked up: a table
+    built from Python data inside a captured step would be a host-to-device copy."""
+    exp, man = (code >> 1).float(), (code & 1).float()
+    return torch.where(exp == 0, 0.5 * man, torch.exp2(exp - 1) * (1 + 0.5 * man))
+
+
 def _e2m1_decode(codes: Tensor) -> Tensor:
-    table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    return table[codes.long()]
+    mag = _e2m1_magnitude(codes & 7)
+    return torch.where((codes & 8) != 0, -mag, mag)
 
 
 def idx_fp4_quantize_ref(x: Tensor) -> Tensor:
@@ -150,12 +155,12 @@ def idx_fp4_fake_quant(x: Tensor) -> Tensor:
     lead = x.shape[:-1]
     xb = x.float().reshape(*lead, width // FP4_BLOCK, FP4_BLOCK)
     scale = _pow2_scale(xb.abs().amax(-1, keepdim=True).clamp_min(FP4_AMAX_FLOOR), FP4_MAX)
-    grid = torch.tensor(_E2M1_VALUES[:8], dtype=torch.float32, device=x.device)
+    code_idx = torch.arange(8, device=x.device)
+    grid = _e2m1_magnitude(code_idx)
     y = xb / scale
     # nearest grid point; a tie lies between two adjacent codes, exactly one of them even: take that one
     dist = (y.abs().unsqueeze(-1) - grid).abs()
     best = dist.min(-1, keepdim=True).values
-    code_idx = torch.arange(8, device=x.device)
     even_first = torch.where(dist == best, code_idx + 8 * (code_idx % 2), 100)  # odd codes rank after even ones
     mag = grid[even_first.argmin(-1)]
     return (torch.copysign(mag, y) * scale).reshape(*lead, width).to(x.dtype)

@@ -26,10 +26,11 @@ def hf_run(hf, chunks: list[list[int]]) -> torch.Tensor:
     from transformers import DynamicCache
 
     past = DynamicCache(config=hf.config)
+    device = hf.lm_head.weight.device
     outs = []
     for ch in chunks:
-        out = hf(input_ids=torch.tensor([ch]), past_key_values=past, use_cache=True)
-        outs.append(out.logits[0].float())
+        out = hf(input_ids=torch.tensor([ch], device=device), past_key_values=past, use_cache=True)
+        outs.append(out.logits[0].float().cpu())
     return torch.cat(outs)
 
 

@@ -7,6 +7,9 @@ from oracle import hf_model, hf_run, rel_err
 
 pytestmark = pytest.mark.cuda
 CFG = dsv4rt.ModelConfig.tiny()
+# Capture correctness does not depend on code generation; aot_eager keeps these tests quick to start.
+# tests/bench and `python -m dsv4rt bench` run the inductor backend.
+BACKEND = "aot_eager"
 
 
 def tokens(n, seed):
@@ -40,7 +43,7 @@ def drive(rt, n_requests=3):
 def test_replay_equals_eager(model, kv_dtype):
     kw = dict(max_requests=4, max_context=128, kv_dtype=kv_dtype, max_tokens_per_step=32)
     eager = drive(dsv4rt.Runtime(model, graphs=False, **kw))
-    rt = dsv4rt.Runtime(model, graphs=True, **kw)
+    rt = dsv4rt.Runtime(model, graphs=True, backend=BACKEND, **kw)
     replayed = drive(rt)
     assert set(k[0] for k in rt.runner.graphs) == {1, 2, 4, 8, 16, 32}
     err = rel_err(replayed, eager)
@@ -53,7 +56,7 @@ def test_graph_mode_parity_with_hf():
     ours = dsv4rt.Model.from_hf_state_dict(CFG, hf.state_dict(), device="cuda")
     hf = hf.cuda()
     seq = tokens(90, 3)
-    rt = dsv4rt.Runtime(ours, max_requests=2, max_context=128, max_tokens_per_step=32)
+    rt = dsv4rt.Runtime(ours, max_requests=2, max_context=128, max_tokens_per_step=32, backend=BACKEND)
     r = rt.admit()
     got = torch.cat([rt.step({r: seq[:45]}, all_logits=True)[r]] +
                     [rt.step({r: [t]}, all_logits=True)[r] for t in seq[45:]])
@@ -64,7 +67,7 @@ def test_graph_mode_parity_with_hf():
 
 
 def test_thousand_decode_steps_no_recapture_no_alloc_no_sync(model):
-    rt = dsv4rt.Runtime(model, max_requests=8, max_context=1024, max_tokens_per_step=16)
+    rt = dsv4rt.Runtime(model, max_requests=8, max_context=1024, max_tokens_per_step=16, backend=BACKEND)
     n_graphs = len(rt.runner.graphs)
     g = torch.Generator().manual_seed(0)
     live = {rt.admit(): 0 for _ in range(5)}
