@@ -1,7 +1,9 @@
-"""Command line: `python -m dsv4rt generate` (tiny random model by default) and `python -m dsv4rt info`."""
+"""Command line: `python -m dsv4rt generate` (tiny random model by default, or `--checkpoint PATH`) and
+`python -m dsv4rt info` (a preset, or `--checkpoint PATH` read from its headers only)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -29,17 +31,49 @@ def _parse_tokens(text: str) -> list[int]:
         raise SystemExit(f"--prompt-ids takes integers separated by commas or spaces, got {text!r}") from None
 
 
+def _tokenizer(checkpoint: str):
+    """The folder's tokenizer.json through the `tokenizers` library (an optional dependency)."""
+    path = os.path.join(checkpoint, "tokenizer.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"--prompt needs {path}; pass token ids with --prompt-ids instead")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise SystemExit("--prompt needs the `tokenizers` package (pip install 'dsv4rt[tokenizer]')") from None
+    return Tokenizer.from_file(path)
+
+
 def cmd_generate(args) -> int:
     import dsv4rt
 
-    cfg = _config(args)
-    dtype = DTYPES[args.dtype]
     device = torch.device(args.device)
     t0 = time.perf_counter()
-    print(f"building a random {args.preset} model ({cfg.num_layers} layers, {cfg.n_experts} experts, {args.dtype}) "
-          f"on {device} ...", file=sys.stderr, flush=True)
-    model = dsv4rt.Model.random(cfg, seed=args.seed, dtype=dtype, device=device)
-    prompt = _parse_tokens(args.prompt_ids)
+    tok = None
+    if args.checkpoint:
+        dtype_name = args.dtype or "bfloat16"
+        if args.prompt is not None:
+            tok = _tokenizer(args.checkpoint)
+        print(f"loading {args.checkpoint} ({args.layers or 'all'} layers, {dtype_name}) on {device} ...",
+              file=sys.stderr, flush=True)
+        try:
+            model = dsv4rt.Model.from_pretrained(args.checkpoint, layers=args.layers, dtype=DTYPES[dtype_name],
+                                                 device=device)
+        except dsv4rt.CheckpointError as e:
+            raise SystemExit(f"cannot load the checkpoint: {e}") from None
+        cfg = model.cfg
+    else:
+        if args.prompt is not None:
+            raise SystemExit("--prompt needs --checkpoint (a folder with tokenizer.json); use --prompt-ids")
+        cfg, dtype_name = _config(args), args.dtype or "float32"
+        print(f"building a random {args.preset} model ({cfg.num_layers} layers, {cfg.n_experts} experts, "
+              f"{dtype_name}) on {device} ...", file=sys.stderr, flush=True)
+        model = dsv4rt.Model.random(cfg, seed=args.seed, dtype=DTYPES[dtype_name], device=device)
+    if tok is not None:
+        prompt = tok.encode(args.prompt).ids
+        if not prompt or prompt[0] != cfg.bos_token_id:  # DeepSeek prompts start with BOS
+            prompt = [cfg.bos_token_id] + prompt
+    else:
+        prompt = _parse_tokens(args.prompt_ids)
     rt = dsv4rt.Runtime(model, max_requests=1, max_context=max(len(prompt) + args.max_new_tokens, 1),
                         kv_dtype=args.kv_dtype, compile=args.compile)
     print(f"ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
@@ -47,13 +81,27 @@ def cmd_generate(args) -> int:
     out = rt.generate([prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, seed=args.seed)[0]
     dt = time.perf_counter() - t1
-    print(f"prompt: {prompt}")
+    if tok is not None:
+        print(f"prompt: {args.prompt}")
+        print(f"completion: {tok.decode(out)}")
+    else:
+        print(f"prompt: {prompt}")
     print(f"new tokens: {out}")
     print(f"{len(out)} tokens in {dt:.2f}s ({len(out) / dt:.1f} tokens/s, prefill included)")
     return 0
 
 
 def cmd_info(args) -> int:
+    if args.checkpoint:
+        from .checkpoint import CheckpointError, describe
+
+        try:
+            report, error = describe(args.checkpoint)
+        except CheckpointError as e:  # no config or unreadable headers: nothing to describe
+            print(f"cannot read the checkpoint: {e}", file=sys.stderr)
+            return 1
+        print(report)
+        return 1 if error else 0
     cfg = _config(args)
     import dsv4rt
 
@@ -78,6 +126,24 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from . import bench
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench needs a CUDA device")
+    import os
+
+    import dsv4rt.ops
+    if os.environ.get("DSV4RT_KERNELS", "native") != "reference":
+        dsv4rt.ops.load_cuda_kernels()
+    bench.run(args.preset, layers=args.layers, experts=args.experts,
+              batches=tuple(int(b) for b in args.batches.split(",")),
+              contexts=tuple(int(c) for c in args.contexts.split(",")),
+              long_contexts=tuple(int(c) for c in args.long_contexts.split(",") if c),
+              kv_dtype=args.kv_dtype, dtype=DTYPES[args.dtype], hf=not args.no_hf, backend=args.backend)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dsv4rt", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -87,12 +153,18 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--layers", type=int, help="keep only the first N blocks")
         sp.add_argument("--experts", type=int, help="routed experts per layer (random-weight models only)")
 
-    g = sub.add_parser("generate", help="generate tokens with a random-weight model")
+    def checkpoint_opt(sp, what):
+        sp.add_argument("--checkpoint", metavar="PATH", help=f"{what} a checkpoint folder (official DeepSeek-V4 "
+                        "or HF format) instead of a preset")
+
+    g = sub.add_parser("generate", help="generate tokens with a random-weight model or a checkpoint")
     model_opts(g)
+    checkpoint_opt(g, "load")
     g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    g.add_argument("--dtype", choices=sorted(DTYPES), help="float32 for random models, bfloat16 for checkpoints")
     g.add_argument("--kv-dtype", choices=["auto", "fp8", "fp8_sim"], default="auto")
     g.add_argument("--prompt-ids", default="0 17 42 7 99", help="prompt token ids")
+    g.add_argument("--prompt", help="prompt text (needs --checkpoint with a tokenizer.json)")
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -101,9 +173,21 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--compile", action="store_true", help="run the step through torch.compile(fullgraph=True)")
     g.set_defaults(fn=cmd_generate)
 
-    i = sub.add_parser("info", help="parameter counts and cache bytes of a preset")
+    i = sub.add_parser("info", help="parameter counts and cache bytes of a preset, or a checkpoint's contents")
     model_opts(i)
+    checkpoint_opt(i, "describe (headers only)")
     i.set_defaults(fn=cmd_info)
+
+    b = sub.add_parser("bench", help="decode latency table (CUDA): ms/step vs the HBM floor and HF eager")
+    model_opts(b)
+    b.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    b.add_argument("--kv-dtype", choices=["auto", "fp8", "fp8_sim"], default="fp8")
+    b.add_argument("--batches", default="1,8,32")
+    b.add_argument("--contexts", default="4096", help="contexts run at every batch size")
+    b.add_argument("--long-contexts", default="65536,1048576", help="contexts run at batch 1 (fast-forwarded)")
+    b.add_argument("--no-hf", action="store_true", help="skip the HF transformers eager baseline")
+    b.add_argument("--backend", choices=["inductor", "aot_eager"], default="aot_eager", help="torch.compile backend")
+    b.set_defaults(fn=cmd_bench)
 
     args = p.parse_args(argv)
     return args.fn(args)

@@ -173,6 +173,7 @@ def run(preset: str = "tiny", layers: Optional[int] = None, experts: Optional[in
     plan = [(b, c) for c in contexts for b in batches] + [(1, c) for c in long_contexts]
     for context in sorted(set(c for _, c in plan)):
         bs = sorted(b for b, c in plan if c == context)
+        context = min(context, cfg.max_position - 64)  # room for the timed decode steps
         rt = Runtime(model, max_requests=max(bs), max_context=context + 64, kv_dtype=kv_dtype,
                      max_tokens_per_step=max(bs), backend=backend,
                      log=lambda m: print(m, file=sys.stderr, flush=True))

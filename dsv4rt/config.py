@@ -17,7 +17,6 @@ MLP_TYPES = (HASH_MOE, MOE)
 BLOCK_TOKENS = 128  # source tokens per cache block; every compression rate divides it
 
 _HF_LAYER = {"sliding_attention": SLIDING, "compressed_sparse_attention": CSA, "heavily_compressed_attention": HCA}
-_RATIO_LAYER = {0: SLIDING, 4: CSA, 128: HCA}
 _HF_MLP = {"hash_moe": HASH_MOE, "moe": MOE}
 
 
@@ -206,19 +205,18 @@ def _from_dict(d: dict) -> ModelConfig:
         lambda hf, off, default=None: d.get(hf, d.get(off, default)))
     n = int(g("num_hidden_layers", "n_layers"))
     csa_ratio, hca_ratio = 4, 128
-    if d.get("compress_rates"):
-        csa_ratio = int(d["compress_rates"].get("compressed_sparse_attention", 4))
-        hca_ratio = int(d["compress_rates"].get("heavily_compressed_attention", 128))
+    rates = d.get("compress_rates") or {}
+    if rates:
+        csa_ratio = int(rates.get("compressed_sparse_attention", 4))
+        hca_ratio = int(rates.get("heavily_compressed_attention", 128))
     if d.get("layer_types"):
         try:
             types = [_HF_LAYER[t] for t in d["layer_types"][:n]]
         except KeyError as e:
             raise ValueError(f"ModelConfig.layer_types: unknown layer type {e.args[0]!r}") from None
     elif d.get("compress_ratios") is not None:
-        try:
-            types = [_RATIO_LAYER[int(r)] for r in d["compress_ratios"][:n]]
-        except KeyError as e:
-            raise ValueError(f"ModelConfig.layer_types: unknown compress ratio {e.args[0]!r}") from None
+        types, hca_ratio = _types_from_ratios([int(r) for r in d["compress_ratios"][:n]], csa_ratio, hca_ratio,
+                                              "heavily_compressed_attention" in rates)
     else:
         types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
     if d.get("mlp_layer_types"):
@@ -264,6 +262,27 @@ def _from_dict(d: dict) -> ModelConfig:
         bos_token_id=int(d.get("bos_token_id") or 0), eos_token_id=int(eos[0] if isinstance(eos, list) else (eos or 1)),
         max_position=int(d.get("max_position_embeddings", 1048576)),
     )
+
+
+def _types_from_ratios(ratios: list[int], csa_ratio: int, hca_ratio: int, hca_given: bool) -> tuple[list[str], int]:
+    """Layer types and HCA rate from per-layer `compress_ratios`, read as the official code does.
+
+    0 is sliding window only, the CSA rate (4) is CSA (overlapping windows and an indexer), and any other
+    positive rate is HCA at that rate; so reduced-rate test models need no extra key. All HCA layers share one
+    rate, which must agree with `compress_rates` when both are given.
+    """
+    hca_rates = sorted({r for r in ratios if r not in (0, csa_ratio)})
+    if any(r < 0 for r in hca_rates):
+        raise ValueError(f"ModelConfig.layer_types: negative compress ratio {hca_rates[0]}")
+    if len(hca_rates) > 1:
+        raise ValueError(f"ModelConfig.hca_ratio: compress_ratios mixes HCA rates {hca_rates}; one rate is supported")
+    if hca_rates:
+        if hca_given and hca_rates[0] != hca_ratio:
+            raise ValueError(f"ModelConfig.hca_ratio: compress_ratios says {hca_rates[0]}, compress_rates says "
+                             f"{hca_ratio}")
+        hca_ratio = hca_rates[0]
+    types = [SLIDING if r == 0 else CSA if r == csa_ratio else HCA for r in ratios]
+    return types, hca_ratio
 
 
 def _yarn_from(d: dict) -> Optional[Yarn]:

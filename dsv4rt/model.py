@@ -245,7 +245,8 @@ class Embedding(nn.Module):
 
 
 class Model(nn.Module):
-    """DSV4 causal LM. Construct with `from_hf_state_dict` or `random` (see weights.py)."""
+    """DSV4 causal LM. Construct with `from_pretrained` (checkpoint.py), `from_hf_state_dict` or `random`
+    (weights.py)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -281,6 +282,18 @@ class Model(nn.Module):
                            device: torch.device | str = "cpu") -> "Model":
         from .weights import load_hf_state_dict
         return load_hf_state_dict(cls, cfg, state_dict, dtype, device)
+
+    @classmethod
+    def from_pretrained(cls, path, layers: "int | range | None" = None, dtype: torch.dtype = torch.bfloat16,
+                        device: torch.device | str = "cpu", progress: bool = True) -> "Model":
+        """Load a checkpoint folder: official DeepSeek-V4 safetensors (FP8/FP4, decoded to `dtype`) or HF format.
+
+        `layers=k` or `range(k)` keeps the first k blocks (plus embedding, head and norms). Every header is checked
+        against config.json before weights are read; a bad folder raises `dsv4rt.CheckpointError` naming the
+        file and the tensor. Progress goes to stderr, one line per shard.
+        """
+        from .checkpoint import load
+        return load(cls, path, layers=layers, dtype=dtype, device=device, progress=progress)
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
