@@ -1,0 +1,64 @@
+"""ModelConfig presets carry the exact values of spec §1; from_hf reads HF configs; RoPE frequencies match HF."""
+import math
+
+import pytest
+import torch
+
+import dsv4rt
+from dsv4rt.config import CSA, HASH_MOE, HCA, MOE, SLIDING
+
+FLASH = dict(vocab_size=129280, hidden_size=4096, num_layers=43, num_heads=64, head_dim=512, rope_dim=64,
+             q_lora_rank=1024, o_groups=8, o_lora_rank=1024, sliding_window=128, csa_ratio=4, hca_ratio=128,
+             index_heads=64, index_head_dim=128, index_topk=512, n_experts=256, n_active=6, n_shared=1,
+             moe_inter=2048, routed_scale=1.5, swiglu_limit=10.0, rope_theta=10000.0,
+             compress_rope_theta=160000.0, hc_mult=4, hc_iters=20, hc_eps=1e-6, norm_eps=1e-6,
+             bos_token_id=0, eos_token_id=1, max_position=1048576)
+PRO = dict(FLASH, hidden_size=7168, num_layers=61, num_heads=128, q_lora_rank=1536, o_groups=16, index_topk=1024,
+           n_experts=384, moe_inter=3072, routed_scale=2.5)
+SCHEDULE = {"S": SLIDING, "C": CSA, "H": HCA}
+
+
+@pytest.mark.parametrize("preset,values,schedule", [
+    ("flash", FLASH, "SS" + "CH" * 20 + "C"),
+    ("pro", PRO, "HH" + "CH" * 29 + "C"),
+])
+def test_preset_values(preset, values, schedule):
+    cfg = getattr(dsv4rt.ModelConfig, preset)()
+    for k, v in values.items():
+        assert getattr(cfg, k) == v, k
+    assert "".join({v: k for k, v in SCHEDULE.items()}[t] for t in cfg.layer_types) == schedule
+    assert cfg.mlp_types == (HASH_MOE,) * 3 + (MOE,) * (cfg.num_layers - 3)
+    assert cfg.yarn == dsv4rt.config.Yarn(16.0, 65536, 32.0, 1.0)
+
+
+def test_from_hf_config_object_and_official_dict():
+    from dsv4rt.hf import hf_config_for
+
+    tiny = dsv4rt.ModelConfig.tiny()
+    assert dsv4rt.ModelConfig.from_hf(hf_config_for(tiny)) == tiny
+    assert dsv4rt.ModelConfig.from_hf(hf_config_for(dsv4rt.ModelConfig.flash())) == dsv4rt.ModelConfig.flash()
+    official = {"vocab_size": 129280, "dim": 4096, "n_layers": 43, "n_heads": 64, "head_dim": 512,
+                "rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024, "window_size": 128,
+                "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0], "index_n_heads": 64, "index_head_dim": 128,
+                "index_topk": 512, "n_routed_experts": 256, "n_activated_experts": 6, "n_shared_experts": 1,
+                "moe_inter_dim": 2048, "n_hash_layers": 3, "route_scale": 1.5, "swiglu_limit": 10.0,
+                "rope_theta": 10000, "compress_rope_theta": 160000, "rope_factor": 16, "original_seq_len": 65536,
+                "beta_fast": 32, "beta_slow": 1, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+                "norm_eps": 1e-6}
+    assert dsv4rt.ModelConfig.from_hf(official) == dsv4rt.ModelConfig.flash()
+
+
+def test_yarn_frequencies_match_hf_and_spec():
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    from dsv4rt.hf import hf_config_for
+
+    cfg = dsv4rt.ModelConfig.flash()
+    rot = DeepseekV4RotaryEmbedding(hf_config_for(cfg))
+    torch.testing.assert_close(cfg.inv_freq(CSA), rot.compress_inv_freq, rtol=0, atol=0)
+    torch.testing.assert_close(cfg.inv_freq(SLIDING), rot.main_inv_freq, rtol=0, atol=0)
+    # spec §2: lo = 15, hi = 25 -> channels below 15 keep f0, from 25 on are divided by 16
+    f0 = 1.0 / (160000.0 ** (torch.arange(0, 64, 2, dtype=torch.float) / 64))
+    f = cfg.inv_freq(CSA)
+    assert torch.equal(f[:16], f0[:16]) and torch.allclose(f[25:], f0[25:] / 16)
+    assert math.isclose(float(f[20]), float(f0[20] / 16 * 0.5 + f0[20] * 0.5), rel_tol=1e-6)
