@@ -113,8 +113,7 @@ class Runtime:
             keys = [(b, False) for b in buckets_up_to(self.max_tokens)]
             self.log(f"compiling and capturing {len(keys)} buckets (tokens {keys[0][0]}..{keys[-1][0]}) ...")
             self.startup_seconds = self.runner.capture(keys, order=lambda k: k[0])
-            self.log(f"compile + capture: {self.startup_seconds:.1f}s for {len(keys)} graphs "
-                     "(a second start in the same environment reuses the compile cache)")
+            self.log(f"compile + capture: {self.startup_seconds:.1f}s for {len(keys)} graphs ({backend} backend)")
             self._fn = None
         elif compile:
             self._fn = torch.compile(self._step, fullgraph=True, dynamic=False, backend=backend)
