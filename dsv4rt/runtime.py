@@ -1,6 +1,7 @@
 """The serving loop's public face: admit / step / release / generate over a fixed set of request slots."""
 from __future__ import annotations
 
+import operator
 import sys
 import time
 from dataclasses import dataclass, field
@@ -156,10 +157,10 @@ class Runtime:
         return list(self._requests)
 
     def _get(self, handle: int) -> _Request:
-        try:
-            return self._requests[handle]
-        except (KeyError, TypeError):
-            raise UnknownRequest(f"unknown request handle {handle!r} (never admitted or already released)") from None
+        req = None if isinstance(handle, bool) or not isinstance(handle, int) else self._requests.get(handle)
+        if req is None:
+            raise UnknownRequest(f"unknown request handle {handle!r} (never admitted or already released)")
+        return req
 
     # ------------------------------------------------------------------ prepare
     def _validate(self, batch: Mapping[int, Sequence[int]]) -> list[Segment]:
@@ -168,10 +169,7 @@ class Runtime:
         segments, need_blocks = [], 0
         for handle, tokens in batch.items():
             req = self._get(handle)
-            try:
-                toks = [int(t) for t in tokens]
-            except (TypeError, ValueError):
-                raise RequestError(f"request {handle}: token ids must be a sequence of ints") from None
+            toks = _token_list(handle, tokens)
             if not toks:
                 raise RequestError(f"request {handle}: no new tokens")
             bad = [t for t in toks if not 0 <= t < self.cfg.vocab_size]
@@ -325,6 +323,25 @@ class Runtime:
                 for h in handles:
                     self.release(h)
         return outs
+
+
+def _token_list(handle: int, tokens) -> list[int]:
+    """Token ids as a list of ints; strings, floats and bools are refused rather than converted."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise RequestError(f"request {handle}: token ids must be a 1-D integer tensor or a sequence of ints")
+        return tokens.tolist()
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+        raise RequestError(f"request {handle}: token ids must be a sequence of ints, got {type(tokens).__name__}")
+    out = []
+    for t in tokens:
+        if isinstance(t, bool):
+            raise RequestError(f"request {handle}: token id {t!r} is not an int")
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise RequestError(f"request {handle}: token id {t!r} is not an int") from None
+    return out
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
