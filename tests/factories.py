@@ -356,3 +356,14 @@ def ref_result(ref: Callable, *args: Any):
     if written:
         return written[0] if len(written) == 1 else written
     return out
+
+
+def assert_trace_matches_reference(wrapper: Callable, ref: Callable, args: tuple) -> None:
+    """torch.compile(wrapper, fullgraph=True, backend="aot_eager") on a functional op equals its reference
+    exactly (the trace runs the same reference arithmetic)."""
+    import torch._dynamo
+
+    expected = ref_result(ref, *args)
+    torch._dynamo.reset()
+    got = torch.compile(wrapper, fullgraph=True, backend="aot_eager")(*args)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -8,7 +8,7 @@ from dsv4rt.ops import kv_quant
 from dsv4rt.ops.kv_quant import (hadamard, idx_fp4_dequantize, idx_fp4_dequantize_ref, idx_fp4_fake_quant,
                                  idx_fp4_quantize, idx_fp4_quantize_ref, kv_fp8_dequantize, kv_fp8_dequantize_ref,
                                  kv_fp8_fake_quant, kv_fp8_quantize, kv_fp8_quantize_ref)
-from factories import (idx_fp4_dequantize_inputs, idx_fp4_quantize_inputs, kv_fp8_dequantize_inputs,
+from factories import (assert_trace_matches_reference, idx_fp4_dequantize_inputs, idx_fp4_quantize_inputs, kv_fp8_dequantize_inputs,
                        kv_fp8_quantize_inputs, ref_result, to_device)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -34,11 +34,7 @@ def test_opcheck(name, device):
 @pytest.mark.parametrize("name", list(OPS))
 def test_trace(name, device):
     factory, ref, wrapper = OPS[name]
-    args = factory(device)
-    expected = ref_result(ref, *args)
-    torch._dynamo.reset()
-    got = torch.compile(wrapper, fullgraph=True, backend="aot_eager")(*args)
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert_trace_matches_reference(wrapper, ref, factory(device))
 
 
 @pytest.mark.cuda

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from dsv4rt.ops.mhc import hc_head, hc_head_ref, hc_post, hc_post_ref, hc_pre, hc_pre_ref
-from factories import hc_head_inputs, hc_post_inputs, hc_pre_inputs, ref_result, to_device
+from factories import (assert_trace_matches_reference, hc_head_inputs, hc_post_inputs, hc_pre_inputs, ref_result,
+                       to_device)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -104,11 +105,7 @@ def test_opcheck(name, device):
 @pytest.mark.parametrize("name", list(OPS))
 def test_trace(name, device):
     factory, ref, wrapper = OPS[name]
-    args = factory(device)
-    expected = ref_result(ref, *args)
-    torch._dynamo.reset()
-    got = torch.compile(wrapper, fullgraph=True, backend="aot_eager")(*args)
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)  # same reference arithmetic
+    assert_trace_matches_reference(wrapper, ref, factory(device))
 
 
 @pytest.mark.cuda

@@ -6,7 +6,8 @@ import torch
 
 from dsv4rt.ops.moe import (moe_experts, moe_experts_ref, moe_hash_route, moe_hash_route_ref, moe_route,
                             moe_route_ref)
-from factories import (moe_experts_inputs, moe_hash_route_inputs, moe_route_inputs, ref_result, to_device)
+from factories import (assert_trace_matches_reference, moe_experts_inputs, moe_hash_route_inputs, moe_route_inputs,
+                       ref_result, to_device)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -89,11 +90,7 @@ def test_opcheck(name, device):
 @pytest.mark.parametrize("name", list(OPS))
 def test_trace(name, device):
     factory, ref, wrapper = OPS[name]
-    args = factory(device)
-    expected = ref_result(ref, *args)
-    torch._dynamo.reset()
-    got = torch.compile(wrapper, fullgraph=True, backend="aot_eager")(*args)
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)  # same reference arithmetic
+    assert_trace_matches_reference(wrapper, ref, factory(device))
 
 
 @pytest.mark.cuda
