@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import operator
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from dsv4rt import ops
 from dsv4rt.graphs import GraphRunner
 from dsv4rt.ops.kv_quant import store_rows
 from dsv4rt.ops.swa import PAD_SLOT
@@ -64,12 +66,16 @@ class Runtime:
     backend: torch.compile backend: "inductor" or "aot_eager" (the same fullgraph trace without code
         generation). Default: "inductor" for compile=True, "aot_eager" for graphs, because Inductor's
         cold start on the GPU machines measured > 240 s for one bucket of the tiny model.
+    kernels: on CUDA, "auto" builds/loads the csrc/ kernels and falls back to the reference ops (with a
+        message) when that fails; "native" refuses to start unless every op has a native kernel;
+        "reference" does not load the extension (kernels loaded earlier in the process stay registered).
+        The environment variable DSV4RT_KERNELS overrides the default.
     log: where progress lines go (default: stderr).
     """
 
     def __init__(self, model: Model, max_requests: int = 8, max_context: int = 4096, kv_dtype: str = "auto",
                  compile: bool = False, max_tokens_per_step: int | None = None, num_blocks: int | None = None,
-                 graphs: Optional[bool] = None, backend: Optional[str] = None,
+                 graphs: Optional[bool] = None, backend: Optional[str] = None, kernels: Optional[str] = None,
                  log: Optional[Callable[[str], None]] = None) -> None:
         if max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}")
@@ -99,6 +105,7 @@ class Runtime:
         self._stage_i = 0
         self._step = Step(model, self.cache)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.kernels = _load_kernels(kernels or os.environ.get("DSV4RT_KERNELS", "auto"), on_gpu, self.log)
         self.graphs = on_gpu if graphs is None else graphs
         if self.graphs and not on_gpu:
             raise ValueError("graphs=True needs a model on a CUDA device")
@@ -323,6 +330,24 @@ class Runtime:
                 for h in handles:
                     self.release(h)
         return outs
+
+
+def _load_kernels(mode: str, on_gpu: bool, log: Callable[[str], None]) -> dict[str, str]:
+    """Load the CUDA kernels as `mode` asks; returns kernel_coverage()."""
+    if mode not in ("auto", "native", "reference"):
+        raise ValueError(f"kernels must be 'auto', 'native' or 'reference', got {mode!r}")
+    if on_gpu and mode != "reference":
+        try:
+            ops.load_cuda_kernels()
+        except Exception as e:  # a failed build: the references still serve every op
+            if mode == "native":
+                raise RuntimeError(f"kernels='native': the CUDA extension failed to build or load: {e}") from e
+            log(f"CUDA kernels unavailable ({type(e).__name__}: {e}); running the reference ops")
+    coverage = ops.kernel_coverage()
+    missing = [op for op, kind in coverage.items() if kind != "native"]
+    if on_gpu and mode == "native" and missing:
+        raise RuntimeError(f"kernels='native' but these ops have no CUDA kernel: {', '.join(missing)}")
+    return coverage
 
 
 def _token_list(handle: int, tokens) -> list[int]:
