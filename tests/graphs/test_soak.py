@@ -42,7 +42,7 @@ def test_soak_churn_memory_flat_and_eager_equal():
     for step in range(STEPS):
         batch = {h: rand(1) for h in history}
         out = rt.step(batch)
-        assert torch.cuda.memory_allocated() == mem, f"step {step}: memory_allocated moved"
+        assert torch.cuda.memory_allocated() == mem, f"step {step}: memory_allocated moved"  # the checks below free theirs
         for h, t in batch.items():
             history[h] += t
             budget[h] -= 1
@@ -52,6 +52,7 @@ def test_soak_churn_memory_flat_and_eager_equal():
             ref = alone.step({alone.admit(): history[h]})
             assert rel_err(out[h], next(iter(ref.values()))) <= 1e-5, f"step {step}: request {h} differs"
             checked += 1
+            del alone, ref
         for h in [h for h, b in budget.items() if b <= 0]:  # churn: finished requests leave, new ones come
             rt.release(h)
             del history[h], budget[h]
@@ -76,4 +77,7 @@ def test_replay_is_bit_identical():
         b.copy_(s)  # the step writes caches: restore them so the second replay sees identical inputs
     second, _ = rt._launch(segs, all_logits=False)
     assert torch.equal(first, second)
-    assert all(torch.equal(a, b) for a, b in zip(after, rt.cache.buffers()))
+    # Every live row is identical. The spare slot (last row of per-slot buffers) and the trash block (last
+    # block of entry pools) take the padded tokens' writes in any order, so they are not compared.
+    for a, b in zip(after, rt.cache.buffers()):
+        assert torch.equal(a[:-1], b[:-1])
