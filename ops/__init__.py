@@ -28,19 +28,24 @@ CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 
 @functools.cache
 def load_cuda_kernels(verbose: bool = False) -> list[str]:
-    """Build (ninja, cached) and load csrc/*.cu, registering their CUDA kernels. Returns the sources loaded."""
-    sources = sorted(str(p) for p in CSRC.glob("*.cu"))
+    """Build (ninja, cached) and load csrc/*.cu (kernels, no torch headers) and csrc/*.cpp (their torch bindings,
+    which register the CUDA kernels). Returns the sources loaded."""
+    sources = sorted(str(p) for p in (*CSRC.glob("*.cu"), *CSRC.glob("*.cpp")))
     if not sources:
         return []
     if not torch.cuda.is_available():
         raise RuntimeError("load_cuda_kernels: no CUDA device")
     from torch.utils import cpp_extension
 
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}" + ("a" if major >= 9 else "")  # sm_90a, sm_100a: as csrc/check_compile.sh
     build_dir = CSRC.parent / ".build" / "dsv4rt_cuda"
     build_dir.mkdir(parents=True, exist_ok=True)
+    # No --use_fast_math: the kernels must round exactly as the references (IEEE division, log2f/exp2f/cosf/sinf,
+    # no flush of denormals); csrc/check_compile.sh builds with the same flags.
     cpp_extension.load(name="dsv4rt_cuda", sources=sources, build_directory=str(build_dir), is_python_module=False,
-                       extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "--use_fast_math"],
-                       verbose=verbose)
+                       extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"],
+                       extra_cflags=["-O3"], verbose=verbose)
     return sources
 
 

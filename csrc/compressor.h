@@ -1,0 +1,44 @@
+// Launcher of the KV compressor update (csrc/compressor.cu), called by the torch binding (csrc/compressor.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace dsv4rt {
+
+// Raw views of the op's tensors (all contiguous; fp32 unless said). c = 2 with overlap, else 1; cw = c * d.
+struct CompressorArgs {
+  const float* kv;           // [T, cw] projections
+  const float* score;        // [T, cw] gate projections (ape is added here)
+  const float* ape;          // [m, cw]
+  const float* norm_weight;  // [d]
+  const float* inv_freq;     // [rope_dim / 2]
+  float* kv_state;           // [n_slots, c*m, cw]
+  float* score_state;        // [n_slots, c*m, cw]
+  void* entry_cache;         // [n_blocks, per_block, row]: `dtype` values or uint8 FP8/FP4 rows
+  const int32_t* req_slot;   // [T]
+  const int32_t* positions;  // [T]
+  const int32_t* start_pos;  // [T]
+  const int32_t* end_pos;    // [T]
+  const int32_t* block_table;  // [n_slots, bt_cols], row stride bt_stride
+  int64_t bt_stride;
+  int64_t bt_cols;
+  int64_t n_tokens;
+  int64_t n_slots;
+  int64_t n_blocks;
+  int64_t per_block;
+  int64_t row;  // entry row: elements (value formats) or bytes (FP8/FP4)
+  int ratio;
+  int c;
+  int d;
+  int rope_dim;
+  int quant;  // Quant
+  int dtype;  // DType of the entries (the activation dtype)
+  float eps;
+  int cluster;  // set by the launcher: CTAs that share one token's work (channel slices)
+};
+
+cudaError_t compressor_update_launch(const CompressorArgs& args, cudaStream_t stream);
+
+}  // namespace dsv4rt

@@ -1,0 +1,49 @@
+// Launch helpers shared by the kernels: SM count, thread-block-cluster launches and the cluster primitives
+// (sm_90+: a cluster's CTAs run at once and read each other's shared memory). No torch headers.
+#pragma once
+
+#include <utility>
+
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+namespace dsv4rt {
+
+// Multiprocessors of the current device (grid sizes of grid-stride kernels).
+inline int num_sms() {
+  int dev = 0, n = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  return n > 0 ? n : 1;
+}
+
+__device__ __forceinline__ unsigned cluster_rank() { return cooperative_groups::this_cluster().block_rank(); }
+
+__device__ __forceinline__ void cluster_sync() { cooperative_groups::this_cluster().sync(); }
+
+// The same shared-memory variable in CTA `rank` of this cluster.
+template <typename T>
+__device__ __forceinline__ T* cluster_map(T* p, unsigned rank) {
+  return cooperative_groups::this_cluster().map_shared_rank(p, rank);
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) in clusters of `cluster` CTAs along x (1: a plain launch).
+template <typename... Params, typename... Args>
+cudaError_t launch_clustered(void (*kernel)(Params...), unsigned grid, unsigned block, size_t smem, cudaStream_t stream,
+                             unsigned cluster, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(block);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = cluster > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+}  // namespace dsv4rt

@@ -1,0 +1,200 @@
+"""Cache-write kernels (compressor_update, swa_cache_write), CUDA-graph replayed, Flash dims.
+
+Each benchmark captures REPEATS steps in one CUDA graph; the time per step is the replay time / REPEATS.
+  * prefill: one 8,192-token chunk (one request, starting mid-window) through the three compressors of a
+    CSA + HCA layer pair; achieved bandwidth = the bytes the step must move (kv/score rows read as fp32, state rows
+    read and written, entries written) / time, against a device-to-device copy measured in the same run;
+  * decode: batch 64 (64 requests at seeded random positions) through the same three compressors (target:
+    <= 10 us for the three together); decode_close: the worst case, every request closes a CSA and an HCA window;
+  * swa: the sliding-ring write of the same two steps.
+Run: python -m pytest tests/bench/test_bench_cache_write.py --benchmark-only -s
+"""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from dsv4rt.ops.compressor import compressor_update
+from dsv4rt.ops.kv_quant import QUANT_FP4, QUANT_FP8, QUANT_NONE, fp4_row_bytes, fp8_row_bytes
+from dsv4rt.ops.swa import swa_cache_write
+
+HEAD_DIM, INDEX_DIM, ROPE_DIM = 512, 128, 64   # Flash
+CSA_RATIO, HCA_RATIO, WINDOW = 4, 128, 128
+BLOCK_TOKENS = 128
+PREFILL_TOKENS, PREFILL_START = 8192, 8293     # start: mid-window for both ratios (CSA s%4 = 1, HCA s%128 = 101)
+DECODE_BATCH = 64
+MAX_CONTEXT = 65536
+REPEATS = {"prefill": 20, "decode": 200, "decode_close": 200}  # steps per graph: enough to hide the replay's launch
+ROUNDS = 20
+# name: (d, ratio, overlap, quant for kv_dtype "fp8")
+COMPRESSORS = {"csa_main": (HEAD_DIM, CSA_RATIO, True, QUANT_FP8),
+               "csa_indexer": (INDEX_DIM, CSA_RATIO, True, QUANT_FP4),
+               "hca": (HEAD_DIM, HCA_RATIO, False, QUANT_FP8)}
+
+
+def _step_meta(mode: str, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """(req_slot, positions, start_pos, end_pos) int32 [T]."""
+    if mode == "prefill":
+        pos = torch.arange(PREFILL_START, PREFILL_START + PREFILL_TOKENS, dtype=torch.int32)
+        slot = torch.zeros_like(pos)
+        start = torch.full_like(pos, PREFILL_START)
+        end = torch.full_like(pos, PREFILL_START + PREFILL_TOKENS)
+    else:
+        pos = torch.randint(0, MAX_CONTEXT - 1, (DECODE_BATCH,), generator=g, dtype=torch.int32)
+        if mode == "decode_close":
+            pos = (pos // HCA_RATIO + 1) * HCA_RATIO - 1
+        slot = torch.arange(DECODE_BATCH, dtype=torch.int32)
+        start, end = pos.clone(), pos + 1
+    return slot, pos, start, end
+
+
+def _compressor_args(name: str, meta: tuple[torch.Tensor, ...], fmt: str, g: torch.Generator) -> tuple[tuple, dict]:
+    d, m, overlap, q8 = COMPRESSORS[name]
+    quant = q8 if fmt == "fp8" else QUANT_NONE
+    c = 2 if overlap else 1
+    cw = c * d
+    slot, pos, start, end = meta
+    n_tok, n_slots = pos.shape[0], int(slot.max()) + 1
+    per_block = BLOCK_TOKENS // m
+    # a distinct block for every (request, block column) that a closing window writes; the rest: the trash block
+    closing = [(int(r), (int(p) + 1) // m - 1) for r, p in zip(slot, pos) if (int(p) + 1) % m == 0]
+    needed = sorted({(r, w // per_block) for r, w in closing})
+    n_blocks = len(needed)
+    max_blocks = MAX_CONTEXT // BLOCK_TOKENS
+    block_table = torch.full((n_slots + 1, max_blocks), n_blocks, dtype=torch.int32)
+    for (r, col), b in zip(needed, torch.randperm(n_blocks, generator=g).tolist()):
+        block_table[r, col] = b
+    quant_rows = {QUANT_FP8: fp8_row_bytes(d, ROPE_DIM), QUANT_FP4: fp4_row_bytes(d)}
+    row = quant_rows.get(quant, d)
+    entry_dtype = torch.uint8 if quant in quant_rows else torch.bfloat16
+    entry_bytes = row * (1 if quant in quant_rows else 2)
+    dev = "cuda"
+    args = (torch.randn(n_tok, cw, generator=g).to(dev), torch.randn(n_tok, cw, generator=g).to(dev),
+            torch.randn(m, cw, generator=g).to(dev), (1 + 0.1 * torch.randn(d, generator=g)).to(dev),
+            (1.0 / 160000.0 ** (torch.arange(0, ROPE_DIM, 2, dtype=torch.float32) / ROPE_DIM)).to(dev),
+            torch.randn(n_slots + 1, c * m, cw, generator=g).to(dev),
+            torch.randn(n_slots + 1, c * m, cw, generator=g).to(dev),
+            torch.zeros(n_blocks + 1, per_block, row, dtype=entry_dtype, device=dev), slot.to(dev), pos.to(dev),
+            start.to(dev), end.to(dev), block_table.to(dev), m, overlap, quant, 1e-6, torch.bfloat16)
+
+    # bytes the step must move: kv + score rows (fp32), state rows read (open rows before s, overlap rows) and
+    # written (open rows after the step, overlap rows), closed entries
+    closes = state_read = state_written = 0
+    for _, s, e in {(int(r), int(a), int(b)) for r, a, b in zip(slot, start, end)}:  # one per request
+        open_start, open_end = s // m * m, e // m * m
+        n_close = (open_end - open_start) // m
+        closes += n_close
+        if n_close:
+            state_read += (s - open_start) + (m if overlap else 0)
+            state_written += (e - open_end) + (m if overlap else 0)
+        else:
+            state_written += e - s
+    nbytes = 2 * 4 * n_tok * cw + 2 * 4 * cw * (state_read + state_written) + closes * entry_bytes
+    return args, {"closes": closes, "bytes": nbytes}
+
+
+def _swa_args(mode: str, fmt: str, g: torch.Generator) -> tuple[tuple, dict]:
+    slot, pos, _, end = _step_meta(mode, g)
+    n_tok, n_slots = pos.shape[0], int(slot.max()) + 1
+    dev = "cuda"
+    if fmt == "fp8":
+        row = fp8_row_bytes(HEAD_DIM, ROPE_DIM)
+        cache = torch.zeros(n_slots + 1, WINDOW, row, dtype=torch.uint8, device=dev)
+    else:
+        row = 2 * HEAD_DIM
+        cache = torch.zeros(n_slots + 1, WINDOW, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    kv = torch.randn(n_tok, HEAD_DIM, generator=g).to(torch.bfloat16).to(dev)
+    kept = n_tok if mode == "decode" else WINDOW  # rows among the last W positions of their request
+    nbytes = kept * (2 * HEAD_DIM + row)           # read as bf16, written as cache rows; the rest are skipped
+    return (kv, cache, slot.to(dev), pos.to(dev), end.to(dev), ROPE_DIM), {"bytes": nbytes}
+
+
+def _capture(calls, repeats: int) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn, args in calls:  # warm-up outside the capture
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(repeats):
+            for fn, args in calls:
+                fn(*args)
+    torch.cuda.synchronize()
+    return graph
+
+
+def _time_replay(graph: torch.cuda.CUDAGraph, rounds: int = ROUNDS) -> float:
+    """Median seconds of one replay."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    graph.replay()
+    for _ in range(rounds):
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e-3)
+    return statistics.median(times)
+
+
+@pytest.fixture(scope="module")
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (1 GiB buffers)."""
+    n = 1 << 30
+    src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    dst.copy_(src)
+    times = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e-3)
+    del src, dst
+    return 2 * n / statistics.median(times)
+
+
+def _report(benchmark, graph, repeats: int, nbytes: int, copy_bw: float, info: dict) -> None:
+    import dsv4rt.ops
+    per_step = _time_replay(graph) / repeats
+    bw = nbytes / per_step
+    benchmark.extra_info.update(device=torch.cuda.get_device_name(), repeats=repeats, us_per_step=per_step * 1e6,
+                                bytes=nbytes, achieved_GBps=bw / 1e9, copy_GBps=copy_bw / 1e9,
+                                fraction_of_copy=bw / copy_bw, **info)
+    cov = {k: v for k, v in dsv4rt.ops.kernel_coverage().items() if k in ("compressor_update", "swa_cache_write")}
+    print(f"\n{benchmark.name}: {per_step * 1e6:.2f} us/step, {nbytes / 1e6:.2f} MB, {bw / 1e9:.0f} GB/s "
+          f"({bw / copy_bw:.0%} of copy {copy_bw / 1e9:.0f} GB/s) on {torch.cuda.get_device_name()}; {info}; {cov}")
+    benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=ROUNDS, warmup_rounds=2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["fp8", "auto"])
+@pytest.mark.parametrize("mode", ["prefill", "decode", "decode_close"])
+def test_bench_compressor_update(benchmark, copy_bandwidth, mode, fmt):
+    g = torch.Generator().manual_seed(0)
+    calls, nbytes, info = [], 0, {"mode": mode, "kv_dtype": fmt}
+    step = _step_meta(mode, g)  # one step: the three compressors see the same tokens
+    for name in COMPRESSORS:
+        args, meta = _compressor_args(name, step, fmt, g)
+        calls.append((compressor_update, args))
+        nbytes += meta["bytes"]
+        info[f"{name}_closes"] = meta["closes"]
+    for name, call in zip(COMPRESSORS, calls):  # each alone, for the breakdown
+        info[f"{name}_us"] = _time_replay(_capture([call], REPEATS[mode])) / REPEATS[mode] * 1e6
+    graph = _capture(calls, REPEATS[mode])
+    _report(benchmark, graph, REPEATS[mode], nbytes, copy_bandwidth, info)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["fp8", "auto"])
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_bench_swa_cache_write(benchmark, copy_bandwidth, mode, fmt):
+    g = torch.Generator().manual_seed(0)
+    args, meta = _swa_args(mode, fmt, g)
+    graph = _capture([(swa_cache_write, args)], REPEATS[mode])
+    _report(benchmark, graph, REPEATS[mode], meta["bytes"], copy_bandwidth, {"mode": mode, "kv_dtype": fmt})
