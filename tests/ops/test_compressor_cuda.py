@@ -24,6 +24,7 @@ from dsv4rt.ops.compressor import compressor_update_ref
 from dsv4rt.ops.kv_quant import (QUANT_FP4, QUANT_FP4_SIM, QUANT_FP8, QUANT_FP8_SIM, QUANT_NONE, fp4_row_bytes,
                                  fp8_row_bytes, idx_fp4_dequantize_ref, kv_fp8_dequantize_ref, store_rows)
 from dsv4rt.ops.swa import PAD_SLOT
+from factories import Seg
 
 ROPE_DIM = 64
 ROPE_THETA = 160000.0        # compress theta (YaRN left out: any frequencies do)
@@ -49,18 +50,6 @@ COMPRESSORS = {
     "csa_indexer": Compressor(128, 4, True, {"auto": QUANT_NONE, "fp8": QUANT_FP4, "fp8_sim": QUANT_FP4_SIM}),
     "hca": Compressor(512, 128, False, {"auto": QUANT_NONE, "fp8": QUANT_FP8, "fp8_sim": QUANT_FP8_SIM}),
 }
-
-
-@dataclass(frozen=True)
-class Seg:
-    """One request's tokens in the step: request slot, first position, token count."""
-    slot: int
-    start: int
-    length: int
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
 
 
 def _decode(m: int) -> tuple[Seg, ...]:
