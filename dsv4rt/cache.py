@@ -41,8 +41,7 @@ class BlockAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"block allocator exhausted: {n} blocks requested, {len(self._free)} free")
-        out = [self._free.pop() for _ in range(n)]
-        return out
+        return [self._free.pop() for _ in range(n)]
 
     def free(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))

@@ -4,7 +4,6 @@ from __future__ import annotations
 import operator
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
@@ -17,7 +16,7 @@ from dsv4rt.ops.kv_quant import store_rows
 from dsv4rt.ops.swa import PAD_SLOT
 
 from .cache import BlockAllocator, KVCache
-from .config import BLOCK_TOKENS, CSA
+from .config import BLOCK_TOKENS, CSA, SLIDING
 from .model import Model, StepTensors
 from .prepare import Segment, StepInputs, bucket_for, buckets_up_to, fill, logit_rows_for, split_segments
 
@@ -273,7 +272,7 @@ class Runtime:
         req.blocks = self.allocator.allocate(need)
         self.block_table[req.slot, :need] = torch.tensor(req.blocks, dtype=torch.int32)
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        cfg, dt = self.cfg, self.model.dtype
+        cfg = self.cfg
         blocks = torch.tensor(req.blocks, dtype=torch.long, device=self.device)
 
         def rand(*shape: int) -> torch.Tensor:
@@ -281,8 +280,8 @@ class Runtime:
 
         for lc in self.cache.layers:
             lc.swa[req.slot] = store_rows(rand(cfg.sliding_window, cfg.head_dim), cfg.rope_dim, lc.main_quant,
-                                          lc.swa.dtype).to(dt if lc.swa.dtype != torch.uint8 else torch.uint8)
-            if lc.layer_type == "sliding":
+                                          lc.swa.dtype)
+            if lc.layer_type == SLIDING:
                 continue
             lc.kv_state[req.slot] = rand(*lc.kv_state.shape[1:])
             lc.score_state[req.slot] = rand(*lc.score_state.shape[1:])
