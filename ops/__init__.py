@@ -2,12 +2,13 @@
 
 Each module is one op family: schema string, fake (meta) implementation, capture-safe reference
 registered for every backend (CompositeExplicitAutograd), and the wrapper the model calls. Native
-CUDA kernels live in `csrc/<family>.cu` and register for the CUDA key of the same ops when
-`load_cuda_kernels()` builds the extension; `kernel_coverage()` says which ops have one.
+CUDA kernels live in `csrc/<family>.cu` (+ `csrc/<family>.cpp`, the binding) and register for the CUDA key of
+the same ops when `load_cuda_kernels()` builds that family's extension; `kernel_coverage()` says which ops have one.
 """
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 
 if __name__ != "dsv4rt.ops":  # a second import name would register every schema twice
@@ -26,27 +27,47 @@ OPS = (
 CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 
 
+def kernel_families() -> list[str]:
+    """Op families with a native kernel: stems with both csrc/<stem>.cu (kernels) and csrc/<stem>.cpp (binding)."""
+    return sorted(p.stem for p in CSRC.glob("*.cu") if p.with_suffix(".cpp").exists())
+
+
 @functools.cache
-def load_cuda_kernels(verbose: bool = False) -> list[str]:
-    """Build (ninja, cached) and load csrc/*.cu (kernels, no torch headers) and csrc/*.cpp (their torch bindings,
-    which register the CUDA kernels). Returns the sources loaded."""
-    sources = sorted(str(p) for p in (*CSRC.glob("*.cu"), *CSRC.glob("*.cpp")))
-    if not sources:
-        return []
-    if not torch.cuda.is_available():
-        raise RuntimeError("load_cuda_kernels: no CUDA device")
+def _load_family(stem: str, arch: str, verbose: bool) -> None:
     from torch.utils import cpp_extension
 
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"{major}{minor}" + ("a" if major >= 9 else "")  # sm_90a, sm_100a: as csrc/check_compile.sh
-    build_dir = CSRC.parent / ".build" / "dsv4rt_cuda"
+    build_dir = CSRC.parent / ".build" / f"dsv4rt_{stem}"
     build_dir.mkdir(parents=True, exist_ok=True)
     # No --use_fast_math: the kernels must round exactly as the references (IEEE division, log2f/exp2f/cosf/sinf,
     # no flush of denormals); csrc/check_compile.sh builds with the same flags.
-    cpp_extension.load(name="dsv4rt_cuda", sources=sources, build_directory=str(build_dir), is_python_module=False,
-                       extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"],
+    cpp_extension.load(name=f"dsv4rt_{stem}", sources=[str(CSRC / f"{stem}.cu"), str(CSRC / f"{stem}.cpp")],
+                       build_directory=str(build_dir), is_python_module=False,
+                       extra_cuda_cflags=["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}"],
                        extra_cflags=["-O3"], verbose=verbose)
-    return sources
+
+
+def load_cuda_kernels(verbose: bool = False, families: list[str] | None = None) -> list[str]:
+    """Build (ninja, cached under .build/dsv4rt_<family>) and load one extension per op family: csrc/<family>.cu
+    (kernels, no torch headers) plus csrc/<family>.cpp (its torch binding, which registers the CUDA kernels).
+
+    `families` (default: the comma list in DSV4RT_KERNEL_FAMILIES, else every family) picks which to load, so a
+    family can be benchmarked against its reference. Returns the families loaded. A family that fails to build
+    raises; the families loaded before it stay registered."""
+    if families is None:
+        env = os.environ.get("DSV4RT_KERNEL_FAMILIES", "").strip()
+        families = [f.strip() for f in env.split(",") if f.strip()] if env else kernel_families()
+    unknown = sorted(set(families) - set(kernel_families()))
+    if unknown:
+        raise ValueError(f"load_cuda_kernels: no native kernel family {unknown}; have {kernel_families()}")
+    if not families:
+        return []
+    if not torch.cuda.is_available():
+        raise RuntimeError("load_cuda_kernels: no CUDA device")
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}" + ("a" if major >= 9 else "")  # sm_90a, sm_100a: as csrc/check_compile.sh
+    for stem in families:
+        _load_family(stem, arch, verbose)
+    return list(families)
 
 
 def kernel_coverage() -> dict[str, str]:
