@@ -7,7 +7,8 @@ import torch
 from dsv4rt.ops.attention import sparse_attn, sparse_attn_ref
 from dsv4rt.ops.kv_quant import kv_fp8_dequantize
 from dsv4rt.ops.swa import PAD_SLOT
-from factories import ATTN_MODES, CASE_NAMES, ROPE_DIM, WINDOW, ref_result, sparse_attn_inputs, to_device
+from factories import (ATTN_MODES, CASE_NAMES, ROPE_DIM, WINDOW, assert_trace_matches_reference, ref_result,
+                       sparse_attn_inputs, to_device)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 FORMATS = [False, True]  # ring and entries as values / as FP8 rows
@@ -59,11 +60,7 @@ def test_opcheck(device, mode, fp8):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode,fp8", [("sliding", False), ("hca", False), ("csa", True)])
 def test_trace(device, mode, fp8):
-    args = sparse_attn_inputs(device, "prefill", mode, fp8)
-    expected = ref_result(sparse_attn_ref, *args)
-    torch._dynamo.reset()
-    got = torch.compile(sparse_attn, fullgraph=True, backend="aot_eager")(*args)
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)  # same reference arithmetic
+    assert_trace_matches_reference(sparse_attn, sparse_attn_ref, sparse_attn_inputs(device, "prefill", mode, fp8))
 
 
 @pytest.mark.cuda

@@ -1,0 +1,194 @@
+// Torch binding of the MoE family: checks, then csrc/moe.cu on the current stream. Large batches of moe_experts
+// (bf16, more than DSV4RT_MOE_GROUPED_MIN_PAIRS = 3072 (token, choice) pairs by default) run the two projections as
+// grouped GEMMs (at::_grouped_mm, offsets computed on the device) between the plan, activation and combine kernels;
+// smaller ones run the expert GEMV kernels. The path depends on shapes only. DSV4RT_MOE_PDL=0 turns off the
+// programmatic dependent launches (read at each call, so at capture time for a CUDA graph).
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <tuple>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_grouped_mm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/index_select.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "moe.h"
+
+namespace {
+
+constexpr int64_t kGroupedMinPairs = 3072;  // measured crossover (H200): ~3.6K pairs (512 tokens, top-6 + shared)
+constexpr int64_t kMaxExperts = 4096;       // the plan keeps two ints per expert in shared memory
+constexpr int64_t kMaxGroupedExperts = 1023;  // at::_grouped_mm takes fewer than 1024 groups
+constexpr int64_t kMaxRouteExperts = 1024;  // 32 per lane of a router warp
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return (v != nullptr && *v != '\0') ? std::atoll(v) : fallback;
+}
+
+bool use_pdl() { return env_int("DSV4RT_MOE_PDL", 1) != 0; }
+
+void check_launch(cudaError_t err, const char* op) {
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // clear it: the error is reported here
+    TORCH_CHECK(false, op, ": launch failed: ", cudaGetErrorString(err));
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+int dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return dsv4rt::kMoeF32;
+    case at::kBFloat16: return dsv4rt::kMoeBF16;
+    case at::kHalf: return dsv4rt::kMoeF16;
+    default: TORCH_CHECK(false, "moe_experts: x must be float32, bfloat16 or float16, got ", t);
+  }
+}
+
+void check_index(const at::Tensor& t, const char* op, const char* name, const at::Device& dev) {
+  TORCH_CHECK((t.scalar_type() == at::kLong || t.scalar_type() == at::kInt) && t.is_contiguous() && t.device() == dev,
+              op, ": ", name, " must be a contiguous int64 or int32 tensor on ", dev);
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& logits, const at::Tensor& bias, int64_t topk,
+                                                  double scale) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "moe_route: logits must be a contiguous float32 [T, E] tensor");
+  const int64_t n_tok = logits.size(0), n_exp = logits.size(1);
+  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n_exp && bias.is_contiguous() &&
+                  (bias.scalar_type() == at::kFloat || bias.scalar_type() == at::kBFloat16),
+              "moe_route: bias must be a contiguous float32 or bfloat16 [E] tensor");
+  TORCH_CHECK(bias.device() == logits.device(), "moe_route: logits and bias on different devices");
+  TORCH_CHECK(n_exp >= 1 && n_exp <= kMaxRouteExperts, "moe_route: 1 to ", kMaxRouteExperts, " experts, got ", n_exp);
+  TORCH_CHECK(topk >= 1 && topk <= 32 && topk <= n_exp, "moe_route: topk must be in [1, min(32, E)], got ", topk);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  at::Tensor weights = at::empty({n_tok, topk}, logits.options());
+  at::Tensor ids = at::empty({n_tok, topk}, logits.options().dtype(at::kInt));
+  if (n_tok == 0) return {weights, ids};
+  check_launch(dsv4rt::moe_route_launch(logits.data_ptr<float>(), bias.data_ptr(),
+                                        bias.scalar_type() == at::kBFloat16, n_tok, static_cast<int>(n_exp),
+                                        static_cast<int>(topk), static_cast<float>(scale),
+                                        weights.data_ptr<float>(), ids.data_ptr<int32_t>(),
+                                        c10::cuda::getCurrentCUDAStream(), use_pdl()),
+               "moe_route");
+  return {weights, ids};
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_hash_route_cuda(const at::Tensor& logits, const at::Tensor& tid2eid,
+                                                       const at::Tensor& token_ids, double scale) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "moe_hash_route: logits must be a contiguous float32 [T, E] tensor");
+  const at::Device dev = logits.device();
+  check_index(tid2eid, "moe_hash_route", "tid2eid", dev);
+  check_index(token_ids, "moe_hash_route", "token_ids", dev);
+  TORCH_CHECK(tid2eid.dim() == 2 && tid2eid.size(0) >= 1, "moe_hash_route: tid2eid must be [V, k] with V >= 1");
+  TORCH_CHECK(token_ids.dim() == 1 && token_ids.size(0) == logits.size(0), "moe_hash_route: token_ids must be [T]");
+  const int64_t n_tok = logits.size(0), n_exp = logits.size(1), topk = tid2eid.size(1);
+  TORCH_CHECK(n_exp >= 1, "moe_hash_route: no experts");
+  TORCH_CHECK(topk >= 1 && topk <= 32, "moe_hash_route: k (tid2eid.size(1)) must be in [1, 32], got ", topk);
+  const c10::cuda::CUDAGuard guard(dev);
+  at::Tensor weights = at::empty({n_tok, topk}, logits.options());
+  at::Tensor ids = at::empty({n_tok, topk}, logits.options().dtype(at::kInt));
+  if (n_tok == 0) return {weights, ids};
+  check_launch(dsv4rt::moe_hash_route_launch(logits.data_ptr<float>(), tid2eid.data_ptr(),
+                                             tid2eid.scalar_type() == at::kLong, token_ids.data_ptr(),
+                                             token_ids.scalar_type() == at::kLong, tid2eid.size(0), n_tok,
+                                             static_cast<int>(n_exp), static_cast<int>(topk),
+                                             static_cast<float>(scale), weights.data_ptr<float>(),
+                                             ids.data_ptr<int32_t>(), c10::cuda::getCurrentCUDAStream(), use_pdl()),
+               "moe_hash_route");
+  return {weights, ids};
+}
+
+at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                            const at::Tensor& weights, const at::Tensor& ids, double limit) {
+  const at::Device dev = x.device();
+  TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3,
+              "moe_experts: x must be [T, D], w13 [E, 2I, D], w2 [E, D, I]");
+  const int64_t n_tok = x.size(0), dim = x.size(1), n_exp = w13.size(0), inter = w2.size(2);
+  TORCH_CHECK(w13.size(1) == 2 * inter && w13.size(2) == dim && w2.size(0) == n_exp && w2.size(1) == dim,
+              "moe_experts: w13 must be [E, 2I, D] and w2 [E, D, I] for x [T, D]");
+  const int dtype = dtype_code(x.scalar_type());
+  TORCH_CHECK(w13.scalar_type() == x.scalar_type() && w2.scalar_type() == x.scalar_type(),
+              "moe_experts: x, w13 and w2 must share one dtype");
+  TORCH_CHECK(x.is_contiguous() && w13.is_contiguous() && w2.is_contiguous(),
+              "moe_experts: x, w13 and w2 must be contiguous");
+  TORCH_CHECK(weights.dim() == 2 && weights.size(0) == n_tok && weights.scalar_type() == at::kFloat &&
+                  weights.is_contiguous(),
+              "moe_experts: weights must be a contiguous float32 [T, k] tensor");
+  TORCH_CHECK(ids.sizes() == weights.sizes() && ids.scalar_type() == at::kInt && ids.is_contiguous(),
+              "moe_experts: ids must be a contiguous int32 [T, k] tensor");
+  for (const at::Tensor* t : {&w13, &w2, &weights, &ids}) {
+    TORCH_CHECK(t->device() == dev, "moe_experts: tensors on different devices");
+  }
+  const int64_t topk = ids.size(1), n_pairs = n_tok * topk;
+  TORCH_CHECK(n_exp >= 1 && n_exp <= kMaxExperts, "moe_experts: 1 to ", kMaxExperts, " experts, got ", n_exp);
+  TORCH_CHECK(dim >= 1 && inter >= 1, "moe_experts: empty hidden or intermediate size");
+  TORCH_CHECK(n_pairs < (int64_t{1} << 31) && n_pairs * std::max(dim, inter) < (int64_t{1} << 62),
+              "moe_experts: too many (token, choice) pairs");
+  const c10::cuda::CUDAGuard guard(dev);
+  at::Tensor out = at::empty({n_tok, dim}, x.options());
+  if (n_tok == 0 || topk == 0) {
+    if (n_tok > 0) out.zero_();
+    return out;
+  }
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t n_slots = std::min(n_exp, n_pairs);
+  at::Tensor workspace = at::empty({dsv4rt::moe_plan_words(n_exp, n_pairs)}, x.options().dtype(at::kInt));
+
+  dsv4rt::MoeExpertsArgs a{};
+  a.x = x.data_ptr();
+  a.w13 = w13.data_ptr();
+  a.w2 = w2.data_ptr();
+  a.weights = weights.data_ptr<float>();
+  a.ids = ids.data_ptr<int32_t>();
+  a.out = out.data_ptr();
+  a.plan = dsv4rt::moe_plan_views(workspace.data_ptr<int32_t>(), n_exp, n_pairs);
+  a.n_tokens = n_tok;
+  a.dim = dim;
+  a.inter = inter;
+  a.n_experts = static_cast<int>(n_exp);
+  a.topk = static_cast<int>(topk);
+  a.limit = static_cast<float>(limit);
+  a.dtype = dtype;
+  a.pdl = use_pdl();
+
+  const bool tensor_cores = dtype != dsv4rt::kMoeF32 && dim % 32 == 0 && inter % 32 == 0 && aligned16(x) &&
+                            aligned16(w13) && aligned16(w2);
+  const bool grouped = dtype == dsv4rt::kMoeBF16 && tensor_cores && n_exp <= kMaxGroupedExperts &&
+                       n_pairs > env_int("DSV4RT_MOE_GROUPED_MIN_PAIRS", kGroupedMinPairs);
+  if (!grouped) {
+    at::Tensor act = at::empty({n_pairs, inter}, x.options());
+    at::Tensor y = at::empty({n_pairs, dim}, x.options().dtype(at::kFloat));
+    check_launch(dsv4rt::moe_experts_small_launch(a, act.data_ptr(), y.data_ptr<float>(), tensor_cores, stream),
+                 "moe_experts");
+    return out;
+  }
+  check_launch(dsv4rt::moe_plan_launch(a, stream), "moe_experts");
+  const at::Tensor offs = workspace.narrow(0, 0, n_exp);  // expert_end: the grouped GEMMs' offsets
+  const at::Tensor pair_tok = workspace.narrow(0, n_exp + 2 * n_slots + 1, n_pairs);
+  const at::Tensor xs = at::index_select(x, 0, pair_tok);  // [P, D], tokens in expert order
+  const at::Tensor h = at::_grouped_mm(xs, w13.transpose(1, 2), offs);  // [P, 2I]
+  TORCH_CHECK(h.stride(1) == 1 && h.stride(0) % 8 == 0 && aligned16(h), "moe_experts: unexpected grouped GEMM layout");
+  at::Tensor act = at::empty({n_pairs, inter}, x.options());
+  check_launch(dsv4rt::moe_act_launch(a, h.data_ptr(), h.stride(0), act.data_ptr(), n_pairs, stream), "moe_experts");
+  const at::Tensor y = at::_grouped_mm(act, w2.transpose(1, 2), offs);  // [P, D]
+  TORCH_CHECK(y.stride(1) == 1 && y.stride(0) % 8 == 0 && aligned16(y), "moe_experts: unexpected grouped GEMM layout");
+  check_launch(dsv4rt::moe_combine_launch(a, y.data_ptr(), false, y.stride(0), stream), "moe_experts");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dsv4rt, CUDA, m) {
+  m.impl("moe_route", &moe_route_cuda);
+  m.impl("moe_hash_route", &moe_hash_route_cuda);
+  m.impl("moe_experts", &moe_experts_cuda);
+}

@@ -1,0 +1,80 @@
+// Launchers of the MoE family (csrc/moe.cu), called by the torch binding (csrc/moe.cpp). No torch headers.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace dsv4rt {
+
+// Element type of activations and expert weights.
+enum MoeDType : int { kMoeF32 = 0, kMoeBF16 = 1, kMoeF16 = 2 };
+
+// Top-k router: logits [T, E] fp32; bias [E] fp32 (bias_bf16: bf16). weights [T, k] fp32, ids [T, k] int32.
+cudaError_t moe_route_launch(const float* logits, const void* bias, bool bias_bf16, int64_t n_tokens, int n_experts,
+                             int topk, float scale, float* weights, int32_t* ids, cudaStream_t stream, bool pdl);
+
+// Hash router: ids = tid2eid[token_ids] (tid2eid [V, k], int64 or int32; token_ids [T], int64 or int32).
+cudaError_t moe_hash_route_launch(const float* logits, const void* tid2eid, bool tid2eid_i64, const void* token_ids,
+                                  bool token_ids_i64, int64_t vocab, int64_t n_tokens, int n_experts, int topk,
+                                  float scale, float* weights, int32_t* ids, cudaStream_t stream, bool pdl);
+
+// Device-side routing plan of one moe_experts call (P = T * k pairs (token, choice), S = min(E, P) slots).
+// int32 workspace, moe_plan_words(E, P) words:
+//   expert_end [E]   cumulative pair counts (inclusive): the grouped-GEMM offsets
+//   slot_expert [S]  the distinct chosen experts in ascending order, -1 past the last
+//   slot_off [S+1]   first sorted pair of each slot; slot_off[s] = total valid pairs past the last slot
+//   pair_tok [P]     token of each sorted pair (pairs grouped by expert); 0 past the valid pairs
+//   pos_of [P]       sorted position of pair t*k+j, -1 when ids[t, j] is outside [0, E)
+struct MoePlan {
+  int32_t* expert_end;
+  int32_t* slot_expert;
+  int32_t* slot_off;
+  int32_t* pair_tok;
+  int32_t* pos_of;
+};
+
+inline int64_t moe_plan_words(int64_t n_experts, int64_t n_pairs) {
+  const int64_t slots = n_experts < n_pairs ? n_experts : n_pairs;
+  return n_experts + 2 * slots + 1 + 2 * n_pairs;
+}
+
+MoePlan moe_plan_views(int32_t* workspace, int64_t n_experts, int64_t n_pairs);
+
+// Everything a moe_experts path needs. Shapes: x [T, D]; w13 [E, 2I, D] (gate rows, then up rows); w2 [E, D, I];
+// weights [T, k] fp32; ids [T, k] int32; act [P, I] (dtype); y [P, D] fp32 (small paths); out [T, D] (dtype).
+struct MoeExpertsArgs {
+  const void* x;
+  const void* w13;
+  const void* w2;
+  const float* weights;
+  const int32_t* ids;
+  void* out;
+  MoePlan plan;
+  int64_t n_tokens;
+  int64_t dim;    // D
+  int64_t inter;  // I
+  int n_experts;
+  int topk;
+  float limit;
+  int dtype;  // MoeDType
+  bool pdl;   // programmatic dependent launches (overlap each kernel's start with its predecessor's tail)
+};
+
+// Small batches: plan, then the gate/up GEMV + activation and the down GEMV over the chosen experts only (each
+// chosen expert's weights read once per 8 * groups tokens), then the weighted combine. act: [P, I] dtype, y: [P, D]
+// fp32 scratch. tensor_cores: mma path (bf16/fp16, D and I multiples of 32); otherwise a plain fp32-FMA path.
+cudaError_t moe_experts_small_launch(const MoeExpertsArgs& a, void* act, float* y, bool tensor_cores,
+                                     cudaStream_t stream);
+
+// Large batches (grouped GEMMs run by the binding between these launches):
+//   moe_plan_launch:   the routing plan;
+//   moe_act_launch:    act[p] = clamped SwiGLU of h[p] (h [P, 2I], row stride h_stride) for every p < P;
+//   moe_combine_launch: out[t] = sum_j weights[t, j] * y[pos_of[t, j]] (y [P, D] of dtype, row stride y_stride).
+cudaError_t moe_plan_launch(const MoeExpertsArgs& a, cudaStream_t stream);
+cudaError_t moe_act_launch(const MoeExpertsArgs& a, const void* h, int64_t h_stride, void* act, int64_t n_pairs,
+                           cudaStream_t stream);
+cudaError_t moe_combine_launch(const MoeExpertsArgs& a, const void* y, bool y_f32, int64_t y_stride,
+                               cudaStream_t stream);
+
+}  // namespace dsv4rt

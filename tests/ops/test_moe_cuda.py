@@ -1,0 +1,343 @@
+"""CUDA kernels of the moe family (csrc/moe.cu, csrc/moe.cpp) against the reference (ops/moe.py).
+
+Routers (Flash 256 and Pro 384 experts, top-6, T in {1, 64, 4096}): the same expert sets as the reference run on the
+same device (the kernel computes the fp32 scores with torch's formulas, so the scores are identical) and weights
+within ROUTE_RTOL; a near-tie is the only accepted difference against the CPU reference.
+Experts: compared with the reference run on the same device in the same dtype (matmuls with fp32 accumulation);
+max |got - ref| <= EXPERTS_TOL * max |ref| and ||got - ref|| / ||ref|| <= NORM_TOL. The caching allocator is
+filled with NaN before each kernel call, so any output row or workspace entry the kernels leave unwritten shows.
+Flash dims (D 4096, I 2048, 256 routed experts, top-6; the shared expert appended as expert 256 with weight 1, as
+the fused layout proposes) at T = 1 and 64 (expert GEMV path) and 4096 (grouped GEMMs), with: random routing
+(most experts chosen by no token), one expert chosen by every token, hash routing (repeated ids included), padded
+rows (garbage x, one expert repeated k times). Small dims: both paths around the grouped-GEMM threshold, float16
+and float32, ids outside [0, E) (no weight, as in the reference), determinism, CUDA-graph capture and replay.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv4rt.ops.moe import (clamped_swiglu, moe_experts, moe_experts_ref, moe_hash_route, moe_hash_route_ref,
+                            moe_route, moe_route_ref, sqrt_softplus)
+from factories import moe_experts_inputs, ref_result, to_device
+
+pytestmark = pytest.mark.cuda
+
+ROUTE_RTOL = 1e-5
+# bf16/fp16: the kernels round the projections and the activation to the dtype as the reference does, but sum in
+# another order, so a rounding can land one step apart (2^-8 relative in bf16) and the output is rounded once
+# (the reference also rounds each expert's output); fp32: accumulation order only.
+EXPERTS_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+NORM_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+
+FLASH_D, FLASH_I, FLASH_E, TOPK = 4096, 2048, 256, 6
+SHARED = FLASH_E  # the shared expert's index in the fused weights [E + 1, ...]
+SCALE, LIMIT = 1.5, 10.0
+GROUPED_MIN_PAIRS = 3072  # csrc/moe.cpp: T * k above this runs the grouped GEMMs (bf16)
+
+
+def poison_allocator(nbytes: int) -> None:
+    """Leave NaN bytes (0xFF) in the caching allocator's free blocks: the op's outputs and scratch come from them."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    buf.fill_(0xFF)
+    del buf
+
+
+def assert_experts_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    g, w = got.float(), want.float()
+    assert torch.isfinite(g).all(), "non-finite outputs (an unwritten row?)"
+    scale = w.abs().max().item()
+    err = (g - w).abs().max().item()
+    rel = ((g - w).norm() / w.norm()).item()
+    assert err <= EXPERTS_TOL[got.dtype] * scale, f"max |diff| {err:.3e} vs max |ref| {scale:.3e}"
+    assert rel <= NORM_TOL[got.dtype], f"relative norm error {rel:.3e}"
+
+
+def run_kernel(args: tuple, poison: int = 1 << 28) -> torch.Tensor:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the op's blocks then come from the poisoned segment, not from the reference's
+    poison_allocator(poison)
+    out = moe_experts(*args)
+    torch.cuda.synchronize()
+    return out
+
+
+# ------------------------------------------------------------------------------------------ routers
+def route_inputs(n_tokens: int, n_experts: int, seed: int = 0, bias_dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n_tokens, n_experts, generator=g) * 2.0
+    logits[:, :4] *= 15.0  # beyond softplus's threshold (|z| > 20) on some entries
+    bias = (torch.randn(n_experts, generator=g) * 0.5).to(bias_dtype)
+    return logits.cuda(), bias.cuda()
+
+
+def assert_routing_equal(got, want, rtol=ROUTE_RTOL):
+    gw, gi = got
+    ww, wi = want
+    assert gi.dtype == torch.int32 and gw.dtype == torch.float32 and gi.shape == wi.shape
+    gi_s, order_g = gi.long().sort(dim=1)
+    wi_s, order_w = wi.long().sort(dim=1)
+    assert torch.equal(gi_s, wi_s), f"{(gi_s != wi_s).any(1).sum().item()} tokens chose other experts"
+    torch.testing.assert_close(gw.gather(1, order_g), ww.gather(1, order_w), rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_experts", [FLASH_E, 384])
+@pytest.mark.parametrize("n_tokens", [1, 64, 4096])
+def test_route_matches_reference(n_tokens, n_experts, bias_dtype):
+    logits, bias = route_inputs(n_tokens, n_experts, bias_dtype=bias_dtype)
+    want = moe_route_ref(logits, bias, TOPK, SCALE)
+    got = moe_route(logits, bias, TOPK, SCALE)
+    assert_routing_equal(got, want)
+    # selection follows s + bias, in descending order
+    s = sqrt_softplus(logits) + bias.float()
+    sel = s.gather(1, got[1].long())
+    assert (sel[:, :-1] >= sel[:, 1:]).all()
+
+
+def test_route_matches_cpu_reference_but_for_near_ties():
+    logits, bias = route_inputs(256, FLASH_E, seed=1)
+    gw, gi = moe_route(logits, bias, TOPK, SCALE)
+    ww, wi = moe_route_ref(logits.cpu(), bias.cpu(), TOPK, SCALE)
+    s = sqrt_softplus(logits.cpu()) + bias.cpu()
+    for t in range(logits.shape[0]):
+        a, b = set(gi[t].tolist()), set(wi[t].tolist())
+        if a != b:  # only where the k-th and (k+1)-th selection scores are within fp32 rounding
+            top = s[t].sort(descending=True).values
+            assert (top[TOPK - 1] - top[TOPK]).abs() <= 1e-6 * top[TOPK - 1].abs()
+        else:
+            got = dict(zip(gi[t].tolist(), gw[t].tolist()))
+            for e, w in zip(wi[t].tolist(), ww[t].tolist()):
+                assert math.isclose(got[e], w, rel_tol=ROUTE_RTOL)
+
+
+def hash_inputs(n_tokens: int, n_experts: int, index_dtype, seed: int = 0, vocab: int = 1000):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n_tokens, n_experts, generator=g) * 2.0
+    tid2eid = torch.stack([torch.randperm(n_experts, generator=g)[:TOPK] for _ in range(vocab)])
+    tid2eid[:7] = 0  # HF's initial table: every such token -> expert 0, k times
+    token_ids = torch.randint(0, vocab, (n_tokens,), generator=g)
+    token_ids[: min(n_tokens, 3)] = 0
+    return logits.cuda(), tid2eid.to(index_dtype).cuda(), token_ids.to(index_dtype).cuda()
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("n_experts", [FLASH_E, 384])
+@pytest.mark.parametrize("n_tokens", [1, 64, 4096])
+def test_hash_route_matches_reference(n_tokens, n_experts, index_dtype):
+    logits, tid2eid, token_ids = hash_inputs(n_tokens, n_experts, index_dtype)
+    ww, wi = moe_hash_route_ref(logits, tid2eid, token_ids, SCALE)
+    gw, gi = moe_hash_route(logits, tid2eid, token_ids, SCALE)
+    assert gi.dtype == torch.int32 and torch.equal(gi, wi)  # the table's order, repeated ids kept
+    torch.testing.assert_close(gw, ww, rtol=ROUTE_RTOL, atol=0)
+
+
+def test_route_native():
+    import dsv4rt.ops
+    cov = dsv4rt.ops.kernel_coverage()
+    assert cov["moe_route"] == cov["moe_hash_route"] == cov["moe_experts"] == "native"
+
+
+# ------------------------------------------------------------------------------------------ experts, Flash dims
+@pytest.fixture(scope="module")
+def flash_weights():
+    """w13 [E + 1, 2I, D], w2 [E + 1, D, I] bf16 (the last expert is the shared one); std 6/sqrt(D) so that the
+    projections have std ~6 and both clamps of the SwiGLU engage."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(FLASH_E + 1, 2 * FLASH_I, FLASH_D, generator=g, device="cuda", dtype=torch.bfloat16)
+    w13.mul_(6.0 * FLASH_D**-0.5)
+    w2 = torch.randn(FLASH_E + 1, FLASH_D, FLASH_I, generator=g, device="cuda", dtype=torch.bfloat16)
+    w2.mul_(FLASH_I**-0.5)
+    yield w13, w2
+    del w13, w2
+    torch.cuda.empty_cache()
+
+
+def random_choice(n_tokens: int, n_experts: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """[T, k] distinct experts per token."""
+    return torch.rand(n_tokens, n_experts, generator=g).argsort(dim=1)[:, :k].int()
+
+
+def flash_case(n_tokens: int, scenario: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [T, D] bf16, weights [T, k+1] fp32, ids [T, k+1] int32): k routed choices plus the shared expert."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_tokens, FLASH_D, generator=g)
+    w = torch.rand(n_tokens, TOPK, generator=g) + 0.1
+    w = w / w.sum(-1, keepdim=True) * SCALE
+    if scenario == "random":
+        ids = random_choice(n_tokens, FLASH_E, TOPK, g)
+    elif scenario == "every_token":  # expert 17 chosen by every token (besides the shared expert)
+        ids = random_choice(n_tokens, FLASH_E - 1, TOPK, g)
+        ids = torch.where(ids >= 17, ids + 1, ids)
+        ids[:, 2] = 17
+    elif scenario == "hash":  # ids from the hash router, some tokens on HF's all-zero table rows
+        logits, tid2eid, token_ids = hash_inputs(n_tokens, FLASH_E, torch.int64, seed=seed)
+        w, ids = (t.cpu() for t in moe_hash_route(logits, tid2eid, token_ids, SCALE))
+    elif scenario == "padded":  # the last half (at least one) rows are padding: garbage x, one expert k times
+        ids = random_choice(n_tokens, FLASH_E, TOPK, g)
+        n_pad = max(1, n_tokens // 2)
+        x[-n_pad:] = torch.randn(n_pad, FLASH_D, generator=g) * 3.0
+        ids[-n_pad:] = 0
+        w[-n_pad:] = SCALE / TOPK
+    else:
+        raise ValueError(scenario)
+    ids = torch.cat([ids.int(), torch.full((n_tokens, 1), SHARED, dtype=torch.int32)], 1)
+    w = torch.cat([w.float(), torch.ones(n_tokens, 1)], 1)
+    return x.to(torch.bfloat16).cuda(), w.cuda(), ids.cuda()
+
+
+@pytest.mark.parametrize("scenario", ["random", "every_token", "hash", "padded"])
+@pytest.mark.parametrize("n_tokens", [1, 64, 4096])
+def test_experts_flash_matches_reference(flash_weights, n_tokens, scenario):
+    w13, w2 = flash_weights
+    x, w, ids = flash_case(n_tokens, scenario)
+    args = (x, w13, w2, w, ids, LIMIT)
+    want = moe_experts_ref(*args)
+    got = run_kernel(args, poison=3 << 29)
+    assert_experts_close(got, want)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 8])
+def test_experts_flash_hash_small_batches(flash_weights, n_tokens):
+    w13, w2 = flash_weights
+    x, w, ids = flash_case(n_tokens, "hash", seed=6)
+    args = (x, w13, w2, w, ids, LIMIT)
+    assert_experts_close(run_kernel(args), moe_experts_ref(*args))
+
+
+def test_experts_fused_shared_equals_model_path(flash_weights):
+    """Shared expert as expert E with weight 1 == routed experts + the shared expert through F.linear (model.py)."""
+    w13, w2 = flash_weights
+    x, w, ids = flash_case(64, "random", seed=3)
+    routed = moe_experts_ref(x, w13[:FLASH_E], w2[:FLASH_E], w[:, :TOPK].contiguous(), ids[:, :TOPK].contiguous(),
+                             LIMIT)
+    gate, up = w13[SHARED, :FLASH_I], w13[SHARED, FLASH_I:]
+    shared = F.linear(clamped_swiglu(F.linear(x, gate), F.linear(x, up), LIMIT), w2[SHARED])
+    got = run_kernel((x, w13, w2, w, ids, LIMIT))
+    assert_experts_close(got, routed + shared)
+
+
+def test_experts_routed_only(flash_weights):
+    """The model's current call: 256 experts (a view of the first E), top-6, no shared expert."""
+    w13, w2 = flash_weights
+    x, w, ids = flash_case(64, "random", seed=4)
+    args = (x, w13[:FLASH_E], w2[:FLASH_E], w[:, :TOPK].contiguous(), ids[:, :TOPK].contiguous(), LIMIT)
+    assert_experts_close(run_kernel(args), moe_experts_ref(*args))
+
+
+# ------------------------------------------------------------------------------------------ experts, small dims
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n_tokens", [1, 7, 64, 300, GROUPED_MIN_PAIRS // 3, GROUPED_MIN_PAIRS // 3 + 1, 4096])
+def test_experts_small_dims_both_paths(n_tokens, dtype):
+    """Factory dims (8 experts, top-3): each expert holds hundreds of tokens at the larger sizes (many token groups
+    per CTA); 1024 tokens = 3072 pairs (GEMV path), 1025 = 3075 (grouped GEMMs for bf16)."""
+    args = moe_experts_inputs("cuda", dtype, n_tokens, seed=n_tokens)
+    want = ref_result(moe_experts_ref, *args)
+    assert_experts_close(run_kernel(args), want)
+
+
+def custom_inputs(n_tokens: int, ids: torch.Tensor, dtype=torch.bfloat16, seed: int = 0):
+    """Factory-sized weights (8 experts, D 64, I 32) with given ids [T, k]."""
+    x, w13, w2, _, _, limit = moe_experts_inputs("cuda", dtype, n_tokens, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    w = torch.rand(ids.shape, generator=g) + 0.1
+    return x, w13, w2, (w / w.sum(-1, keepdim=True) * SCALE).cuda(), ids.int().cuda(), limit
+
+
+@pytest.mark.parametrize("n_tokens,k", [(8, 4), (8, 5), (9, 3), (17, 2), (4, 8)])
+def test_experts_token_group_sizes(n_tokens, k):
+    """Batches of up to 8 tokens (one token group a pass), 9 and 17 tokens (2 and 4 groups); 4 x 8: every expert
+    chosen by every token."""
+    g = torch.Generator().manual_seed(n_tokens * 10 + k)
+    ids = random_choice(n_tokens, 8, k, g)
+    args = custom_inputs(n_tokens, ids, seed=k)
+    assert_experts_close(run_kernel(args), moe_experts_ref(*args))
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3, 20])
+def test_experts_repeated_ids(n_tokens):
+    """One token choosing the same expert several times (HF's initial hash table)."""
+    ids = torch.tensor([[2, 2, 5, 2], [0, 0, 0, 0], [7, 1, 7, 3]]).repeat(7, 1)[:n_tokens]
+    args = custom_inputs(n_tokens, ids, seed=3)
+    assert_experts_close(run_kernel(args), moe_experts_ref(*args))
+
+
+@pytest.mark.parametrize("n_tokens", [5, 4096])
+def test_experts_ids_out_of_range_have_no_weight(n_tokens):
+    x, w13, w2, w, ids, limit = moe_experts_inputs("cuda", torch.bfloat16, n_tokens, seed=1)
+    ids = ids.clone()
+    ids[0, 0] = -1
+    ids[-1, 1] = w13.shape[0]
+    ids[n_tokens // 2, 2] = 1 << 20
+    args = (x, w13, w2, w, ids, limit)
+    assert_experts_close(run_kernel(args), moe_experts_ref(*args))
+
+
+@pytest.mark.parametrize("n_tokens", [1, 64, 4096])
+def test_experts_cpu_reference(n_tokens):
+    """Also against the reference on the CPU (small dims), to rule out a shared error in the device reference."""
+    args = moe_experts_inputs("cuda", torch.bfloat16, n_tokens, seed=2)
+    want = ref_result(moe_experts_ref, *to_device(args, "cpu"))
+    assert_experts_close(run_kernel(args).cpu(), want)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 64, 4096])
+def test_experts_deterministic_and_pdl_independent(n_tokens, monkeypatch):
+    args = moe_experts_inputs("cuda", torch.bfloat16, n_tokens, seed=5)
+    first = run_kernel(args)
+    assert torch.equal(first, run_kernel(args))
+    monkeypatch.setenv("DSV4RT_MOE_PDL", "0")
+    assert torch.equal(first, run_kernel(args))
+
+
+def test_experts_empty_batch():
+    x, w13, w2, w, ids, limit = moe_experts_inputs("cuda", torch.bfloat16, 1)
+    out = moe_experts(x[:0], w13, w2, w[:0], ids[:0], limit)
+    assert out.shape == (0, x.shape[1])
+
+
+def test_experts_rejects_bad_layouts():
+    x, w13, w2, w, ids, limit = moe_experts_inputs("cuda", torch.bfloat16, 4)
+    with pytest.raises(RuntimeError, match="moe_experts: ids must be a contiguous int32"):
+        moe_experts(x, w13, w2, w, ids.long(), limit)
+    with pytest.raises(RuntimeError, match="moe_experts: x, w13 and w2 must share one dtype"):
+        moe_experts(x, w13.float(), w2, w, ids, limit)
+    with pytest.raises(RuntimeError, match="moe_experts: x, w13 and w2 must be contiguous"):
+        moe_experts(x, w13.transpose(1, 2).contiguous().transpose(1, 2), w2, w, ids, limit)
+
+
+# ------------------------------------------------------------------------------------------ capture
+@pytest.mark.parametrize("n_tokens", [1, 64, 4096])
+def test_route_and_experts_replay(n_tokens):
+    """Router + experts captured in one CUDA graph, replayed on new inputs written in place: equal to eager calls."""
+    n_exp = 8
+    x, w13, w2, _, _, limit = moe_experts_inputs("cuda", torch.bfloat16, n_tokens, seed=7)
+    bias = torch.randn(n_exp, device="cuda") * 0.1
+
+    def step(xin, logits):
+        weights, ids = moe_route(logits, bias, 3, SCALE)
+        return moe_experts(xin, w13, w2, weights, ids, limit)
+
+    static_x, static_logits = x.clone(), torch.randn(n_tokens, n_exp, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(static_x, static_logits)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        static_out = step(static_x, static_logits)
+    for seed in (8, 9):
+        new_x = moe_experts_inputs("cuda", torch.bfloat16, n_tokens, seed=seed)[0]
+        new_logits = torch.randn(n_tokens, n_exp, device="cuda") * 2.0
+        static_x.copy_(new_x)
+        static_logits.copy_(new_logits)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, step(new_x, new_logits))
+        weights, ids = moe_route_ref(new_logits, bias, 3, SCALE)
+        assert_experts_close(static_out, moe_experts_ref(new_x, w13, w2, weights, ids, limit))
