@@ -71,7 +71,8 @@ void compressor_update_cuda(const at::Tensor& kv, const at::Tensor& score, const
     TORCH_CHECK(entry_cache.scalar_type() == at::kByte && nope > 0 && nope % 64 == 0 &&
                     row == nope + 2 * rope_dim + (nope / 64 + 7) / 8 * 8,
                 "compressor_update: FP8 entries need uint8 rows of fp8_row_bytes(d, rope_dim)");
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(entry_cache.data_ptr()) % 2 == 0, "compressor_update: misaligned entries");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(entry_cache.data_ptr()) % 4 == 0,
+                "compressor_update: FP8 entries must be 4-byte aligned");
   } else if (quant == kQuantFp4) {
     TORCH_CHECK(entry_cache.scalar_type() == at::kByte && d % 32 == 0 && (d & (d - 1)) == 0 && row == d / 2 + d / 32,
                 "compressor_update: FP4 entries need a power-of-two d and uint8 rows of fp4_row_bytes(d)");
@@ -80,6 +81,8 @@ void compressor_update_cuda(const at::Tensor& kv, const at::Tensor& score, const
                 "compressor_update: unknown quant ", quant);
     TORCH_CHECK(entry_cache.scalar_type() == dtype && row == d,
                 "compressor_update: value entries must be `dtype` [.., d]");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(entry_cache.data_ptr()) % 16 == 0,
+                "compressor_update: value entries must be 16-byte aligned");
     if (quant == kQuantFp8Sim) {
       TORCH_CHECK(d - rope_dim > 0 && (d - rope_dim) % 64 == 0, "compressor_update: FP8 needs d - rope_dim % 64 == 0");
     }

@@ -1,23 +1,36 @@
 // KV compressor family (ops/compressor.py): store a step's (kv, score + ape) rows and emit the entry of every
 // window that closes in the step. One launch per compressor per step, decode and prefill chunks alike.
 //
-// Work items are tokens; a cluster of K CTAs takes one token at a time, each CTA a slice of d/K channels (K > 1
-// only for many-slot windows, HCA: one close reads 128 rows of state). Items stride over the tokens in batches of
-// one token per thread: the batch's metadata is loaded at once and compacted to the tokens with work (most tokens
-// of a prefill chunk have none); row-writing tokens go a warp each, all at once, closing tokens one at a time.
+// Grid (from the shapes only): the tokens are cut into chunks of consecutive tokens; a cluster of K CTAs takes one
+// chunk, CTA k the channel slice [k*d/K, (k+1)*d/K) (of both halves with overlap). In a CTA:
+//   * the chunk's metadata is loaded at once (a token per thread) and sorted into closing and row-writing tokens
+//     (most tokens of a prefill chunk do neither);
+//   * the row-writing tokens' rows are copied by the whole CTA at once (nobody reads those rows in this step);
+//   * closing tokens are taken one after another. Pooling runs on threads (quad, group): the 4 channels of `quad`,
+//     slots j = group, group + G, ... (per-channel fp32 softmax: a batch of kBatch slots is loaded at once and
+//     reduced exactly; batches merge as an online softmax, groups in a tree through shared memory). Then the first
+//     `quads` threads (one quad each) cast to the activation dtype, RMS-norm (sum of squares over the CTA, then
+//     over the cluster), RoPE, quantise and store the entry's slice. With several closing tokens a CTA and one
+//     batch a thread, the slots of the next two closing tokens are copied to shared memory (cp.async, each thread
+//     its own slots) while the current one is reduced and post-processed.
 // For token t (position p of request slot r; the request's tokens in this call are [s, e), contiguous in the
 // batch), window w = [w*m, (w+1)*m), w0 = s / m the window open when the call starts, open_end = (e / m) * m:
-//   * if t closes window w, pool its slots (per-channel fp32 softmax), cast to the activation dtype, RMS-norm,
-//     RoPE at position w*m, quantise, and write the entry through the block table;
+//   * if t closes window w, pool its slots, cast, RMS-norm, RoPE at position w*m, quantise, and write the entry
+//     through the block table;
 //   * if p >= open_end, t is a new open token: its (kv, score + ape) row goes to open row p mod m.
 // The reference gathers everything from the pre-step state before writing any state. Here, within one kernel:
 //   * only the closers of w0 and (overlap) w0+1 read the state: the overlap rows (window w0-1, A halves) and the
 //     open rows of positions [w0*m, s);
-//   * so the work item that closes w0 (the request's "owner") also computes entry w0+1, and after a barrier writes
-//     the state those reads depend on: the overlap rows (the last closed window's full rows) and the open rows
-//     that the step's new open tokens put over rows of [w0*m, s);
+//   * so the CTAs that close w0 (the request's "owner") also compute entry w0+1, and after a barrier write the
+//     state those reads depend on: the overlap rows (the last closed window's full rows) and the open rows that
+//     the step's new open tokens put over rows of [w0*m, s). Every CTA reads and writes only its own channel
+//     columns, so that barrier is the CTA's. When the owner's last entry is the last closed window (decode), the
+//     overlap rows are copied inside its pooling, in the same load round: the thread that read an old overlap
+//     row's columns writes the new row's, so no barrier is needed;
 //   * every other new open token writes its own row: nobody reads that row in this step.
 // A request with no closing window reads no state, and each of its tokens writes its own open row.
+// Launched with programmatic stream serialization: the next launch on the stream may be scheduled while this grid
+// runs; every grid waits for the previous one's completion (griddepcontrol.wait) before it touches memory.
 #include <cmath>
 #include <cstdlib>
 
@@ -28,16 +41,19 @@
 namespace dsv4rt {
 namespace {
 
-constexpr int kMaxThreads = 512;  // 256 threads a CTA (2 CTAs an SM: <= 128 registers), 512 for clusters
-constexpr int kUnroll = 4;         // pooled slots loaded before they are reduced (memory-level parallelism)
+constexpr int kMaxThreads = 512;
+constexpr int kMaxWarps = kMaxThreads / 32;
+constexpr int kBatch = 4;       // pooled slots a thread loads before reducing them (memory-level parallelism)
+constexpr int kStages = 2;      // closing tokens whose slots are in flight ahead of the current one
+constexpr int kCopyUnroll = 4;  // row copies: float4 columns a thread loads before storing them
 constexpr float kNegInf = -__builtin_huge_valf();
 
-__device__ __forceinline__ int64_t floor_div(int64_t a, int64_t b) {
-  const int64_t q = a / b;
+__device__ __forceinline__ int floor_div(int a, int b) {
+  const int q = a / b;
   return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
 
-__device__ __forceinline__ int64_t mod_pos(int64_t a, int64_t b) { return a - floor_div(a, b) * b; }
+__device__ __forceinline__ int mod_pos(int a, int b) { return a - floor_div(a, b) * b; }
 
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
@@ -46,301 +62,584 @@ __device__ __forceinline__ float4 add4(float4 a, float4 b) {
   return make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z), __fadd_rn(a.w, b.w));
 }
 
-// Barrier of the token's work item: the CTA, or the cluster when several CTAs share the token.
-__device__ __forceinline__ void sync_item(int cluster) {
-  if (cluster > 1) {
-    cluster_sync();
-  } else {
-    __syncthreads();
-  }
+__device__ __forceinline__ float comp(const float4& v, int k) {
+  return k == 0 ? v.x : (k == 1 ? v.y : (k == 2 ? v.z : v.w));
 }
 
-// Per-channel online softmax: running max, sum of exp, sum of exp * value.
+// 16-byte global -> shared copy that completes asynchronously (visible to the issuing thread after the wait).
+__device__ __forceinline__ void cp_async16(float4* dst, const float* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float (&v)[4]);
+template <>
+__device__ __forceinline__ void store4<float>(float* p, const float (&v)[4]) {
+  st4(p, make_float4(v[0], v[1], v[2], v[3]));
+}
+template <>
+__device__ __forceinline__ void store4<__nv_bfloat16>(__nv_bfloat16* p, const float (&v)[4]) {
+  __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+  uint2 u;
+  u.x = *reinterpret_cast<unsigned*>(&lo);
+  u.y = *reinterpret_cast<unsigned*>(&hi);
+  *reinterpret_cast<uint2*>(p) = u;
+}
+template <>
+__device__ __forceinline__ void store4<__half>(__half* p, const float (&v)[4]) {
+  __half2 lo = __floats2half2_rn(v[0], v[1]), hi = __floats2half2_rn(v[2], v[3]);
+  uint2 u;
+  u.x = *reinterpret_cast<unsigned*>(&lo);
+  u.y = *reinterpret_cast<unsigned*>(&hi);
+  *reinterpret_cast<uint2*>(p) = u;
+}
+
+// The thread's place in the CTA.
+struct Ctx {
+  int K, rank;    // CTAs per chunk, this CTA's rank
+  int dk, ch0;    // channel slice [ch0, ch0 + dk)
+  int quads, G;   // threads per slot group (4 channels each), slot groups
+  int g_half;     // first step of the group tree: pow2ceil(G) / 2
+  int n_pool;     // slots of an entry: c * m
+  int tid, quad, g, col, post_warps;
+  bool pools;     // g < G: pools slots of its quad
+  bool post;      // tid < quads: post-processes its quad of every entry
+};
+
+// Shared memory of a CTA.
+struct Shared {
+  float4* stage;  // [kStages][kBatch][2][threads]: (kv, score) of the slots of closing tokens in flight
+  float4* part;   // [3][G][quads]: per-group softmax partials (running max, sum of exp, sum of exp * value)
+  float* red;     // [2][kMaxWarps]: per-warp sums of squares (two entries in flight), then [2]: the CTA's, for the
+                  // cluster (and 2 floats of padding: `had` is read as float4)
+  float* had;     // [d]: FP4 Hadamard butterflies across warps (d > 128)
+  int* meta;      // [4][chunk]: slot, position, start, end of the chunk's tokens
+  int* list;      // [2][chunk]: closing tokens, then row-writing tokens (chunk-local indices)
+  int* counts;    // [2][kMaxWarps]
+};
+
+__host__ __device__ inline int had_floats(bool fp4, int quads) { return fp4 && quads > 32 ? 4 * quads : 0; }
+
+__host__ __device__ inline size_t stage_float4s(bool pipe, int threads) {
+  return pipe ? static_cast<size_t>(kStages) * kBatch * 2 * threads : 0;
+}
+
+__host__ __device__ inline size_t smem_bytes(bool pipe, int threads, int groups, int quads, int chunk, int had) {
+  const size_t f4 = stage_float4s(pipe, threads) + (groups > 1 ? static_cast<size_t>(3) * groups * quads : 0);
+  return sizeof(float4) * f4 + sizeof(float) * (2 * kMaxWarps + 4 + had) + sizeof(int) * (6 * chunk + 2 * kMaxWarps);
+}
+
+__device__ __forceinline__ Shared carve(float4* base, const Ctx& x, bool pipe, int chunk, int had) {
+  Shared sh;
+  sh.stage = base;
+  sh.part = base + stage_float4s(pipe, blockDim.x);
+  sh.red = reinterpret_cast<float*>(sh.part + (x.G > 1 ? 3 * x.G * x.quads : 0));
+  sh.had = sh.red + 2 * kMaxWarps + 4;
+  sh.meta = reinterpret_cast<int*>(sh.had + had);
+  sh.list = sh.meta + 4 * chunk;
+  sh.counts = sh.list + 2 * chunk;
+  return sh;
+}
+
+__device__ __forceinline__ float4* stage_at(const Shared& sh, int buf, int u, int h) {
+  return sh.stage + ((buf * kBatch + u) * 2 + h) * static_cast<int>(blockDim.x) + threadIdx.x;
+}
+
+struct Tok {
+  int64_t t;  // row of kv/score
+  int r, p, s, e;
+  int open_start;  // (s / m) * m
+};
+
+__device__ __forceinline__ Tok chunk_token(const CompressorArgs& a, const Shared& sh, int64_t t0, int chunk, int lt) {
+  Tok tk;
+  tk.t = t0 + lt;
+  tk.r = sh.meta[lt];
+  tk.p = sh.meta[chunk + lt];
+  tk.s = sh.meta[2 * chunk + lt];
+  tk.e = sh.meta[3 * chunk + lt];
+  tk.open_start = floor_div(tk.s, a.ratio) * a.ratio;
+  return tk;
+}
+
+// Row of position q (qm = q mod m) of the token's request: this call's kv/score rows when q >= s (`fresh`: their
+// score gets ape[qm] added), else the state. `off` is the row's first element in kv/score or kv_state/score_state.
+struct RowRef {
+  int64_t off;
+  bool fresh;
+};
+
+__device__ __forceinline__ RowRef row_ref(const CompressorArgs& a, const Tok& tk, int q, int qm) {
+  const int64_t cw = static_cast<int64_t>(a.c) * a.d;
+  if (q >= tk.s) return {(tk.t + (q - tk.p)) * cw, true};
+  const int srow = q >= tk.open_start ? (a.c - 1) * a.ratio + qm : qm;
+  return {(static_cast<int64_t>(tk.r) * a.c * a.ratio + srow) * cw, false};
+}
+
+// Columns [col, col + 4) of that row: kv, and score (+ ape).
+__device__ __forceinline__ void load_pair(const CompressorArgs& a, const RowRef& rr, int qm, int col, float4& v,
+                                          float4& s) {
+  const int64_t cw = static_cast<int64_t>(a.c) * a.d;
+  v = ld4((rr.fresh ? a.kv : a.kv_state) + rr.off + col);
+  s = ld4((rr.fresh ? a.score : a.score_state) + rr.off + col);
+  if (rr.fresh) s = add4(s, ld4(a.ape + qm * cw + col));
+}
+
+// Slot j of the entry of window w (j < c*m) reads position (w - c + 1) * m + j: its position mod m and its column
+// offset (with overlap: A half of window w - 1, B half of window w) need no division.
+__device__ __forceinline__ int slot_qm(int j, int m) { return j >= m ? j - m : j; }
+__device__ __forceinline__ int slot_half(const CompressorArgs& a, int j) { return a.c == 2 && j >= a.ratio ? a.d : 0; }
+
+// Per-channel softmax partial of a thread's 4 channels: running max, sum of exp, sum of exp * value.
 struct Pool {
-  float mx, z, acc;
+  float mx[4], z[4], acc[4];
   __device__ __forceinline__ void init() {
-    mx = kNegInf;
-    z = 0.0f;
-    acc = 0.0f;
-  }
-  __device__ __forceinline__ void add(float s, float v) {
-    if (s > mx) {
-      const float f = expf(__fsub_rn(mx, s));  // 0 for the first slot (mx = -inf)
-      z = __fmaf_rn(z, f, 1.0f);
-      acc = __fmaf_rn(acc, f, v);
-      mx = s;
-    } else {
-      const float f = expf(__fsub_rn(s, mx));
-      z = __fadd_rn(z, f);
-      acc = __fmaf_rn(f, v, acc);
-    }
-  }
-};
-
-struct Token {
-  int64_t t, p, s, e, r;
-  int64_t open_start;  // (s / m) * m
-};
-
-// Row of position q of the token's request: this call's kv/score rows when q >= s, else the state.
-struct Src {
-  const float* kv;
-  const float* sc;
-  const float* ape;  // non-null for this call's rows: their score gets ape[q mod m] added
-};
-
-__device__ __forceinline__ Src source_row(const CompressorArgs& a, const Token& tok, int64_t q) {
-  const int64_t m = a.ratio, cw = static_cast<int64_t>(a.c) * a.d;
-  if (q >= tok.s) {
-    const int64_t row = tok.t + (q - tok.p);
-    return {a.kv + row * cw, a.score + row * cw, a.ape + mod_pos(q, m) * cw};
-  }
-  const int64_t srow = q >= tok.open_start ? (a.c - 1) * m + mod_pos(q, m) : mod_pos(q, m);
-  const int64_t off = (tok.r * a.c * m + srow) * cw;
-  return {a.kv_state + off, a.score_state + off, nullptr};
-}
-
-// Shared memory of a CTA: weights (the norm weight slice, inv_freq), the token batch, the entry's work space.
-struct Smem {
-  float* norm_w;   // [dk]
-  float* freq;     // [rope_dim / 2]
-  int* list;       // [threads]: batch index of each token with work (closing ones from the front, row-writing
-                   // ones from the back), then its metadata:
-  int* pos;        // [threads]
-  int* start;      // [threads]
-  int* end;        // [threads]
-  int* slot;       // [threads]
-  int* counts;     // [2 * threads / 32]: closing tokens, then row-writing tokens, per warp
-  float* vals;     // [dk]
-  float* part;     // [3 * groups * dk]
-  float* scratch;  // [33]
-};
-
-__host__ __device__ inline size_t smem_floats(int dk, int rope_dim, int threads) {
-  const int groups = threads / (dk / 4);
-  return static_cast<size_t>(dk) + rope_dim / 2 + 5 * threads + 2 * (threads / 32) + dk + 3 * groups * dk + 33;
-}
-
-__device__ __forceinline__ Smem carve_smem(float* base, int dk, int rope_dim) {
-  const int threads = blockDim.x, groups = threads / (dk / 4);
-  Smem sm;
-  sm.norm_w = base;
-  sm.freq = sm.norm_w + dk;
-  sm.list = reinterpret_cast<int*>(sm.freq + rope_dim / 2);
-  sm.pos = sm.list + threads;
-  sm.start = sm.pos + threads;
-  sm.end = sm.start + threads;
-  sm.slot = sm.end + threads;
-  sm.counts = sm.slot + threads;
-  sm.vals = reinterpret_cast<float*>(sm.counts + 2 * (threads / 32));
-  sm.part = sm.vals + dk;
-  sm.scratch = sm.part + 3 * groups * dk;
-  return sm;
-}
-
-// Pool, norm, RoPE, quantise and write this CTA's channel slice [ch0, ch0 + dk) of the entry of window w.
-// Reads this call's rows and the pre-step state.
-template <typename OutT, int QUANT>
-__device__ void emit_entry(const CompressorArgs& a, const Token& tok, int64_t w, const Smem& sm, int rank) {
-  const int d = a.d, m = a.ratio, c = a.c, n_pool = c * m, k_cl = a.cluster;
-  const int dk = d / k_cl, ch0 = rank * dk;
-  const int quads = dk / 4, groups = blockDim.x / quads;
-  float* vals = sm.vals;
-  float* part = sm.part;
-  float* scratch = sm.scratch;
-  const int tid = threadIdx.x;
-  // destination through the block table (w clamped as the reference does); loaded before the pooling's loads
-  const int64_t n_entries = a.bt_cols * a.per_block;
-  const int64_t wc = w < 0 ? 0 : (w >= n_entries ? n_entries - 1 : w);
-  const int64_t blk = a.block_table[tok.r * a.bt_stride + wc / a.per_block];
-  __syncthreads();  // smem of the previous entry is free
-
-  // --- pooling: thread (group g, quad) runs an online softmax over slots j = g, g + G, ... of 4 channels
-  const int quad = tid % quads, g = tid / quads;
-  if (g < groups) {
-    Pool pool[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) pool[k].init();
-    for (int j0 = g; j0 < n_pool; j0 += kUnroll * groups) {
-      float4 v[kUnroll], s[kUnroll];
-      bool ok[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int j = j0 + u * groups;
-        const int64_t q = (w - (c - 1)) * m + j;
-        ok[u] = j < n_pool && q >= 0;  // q < 0: window -1 of the first entry, score -inf, weight 0
-        if (ok[u]) {
-          const Src src = source_row(a, tok, q);
-          const int off = (c == 2 && j >= m ? d : 0) + ch0 + 4 * quad;  // A halves of w-1, B halves of w
-          v[u] = ld4(src.kv + off);
-          s[u] = ld4(src.sc + off);
-          if (src.ape != nullptr) s[u] = add4(s[u], ld4(src.ape + off));
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (ok[u]) {
-          pool[0].add(s[u].x, v[u].x);
-          pool[1].add(s[u].y, v[u].y);
-          pool[2].add(s[u].z, v[u].z);
-          pool[3].add(s[u].w, v[u].w);
-        }
-      }
-    }
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const int ch = 4 * quad + k;
-      part[(0 * groups + g) * dk + ch] = pool[k].mx;
-      part[(1 * groups + g) * dk + ch] = pool[k].z;
-      part[(2 * groups + g) * dk + ch] = pool[k].acc;
+      mx[k] = kNegInf;
+      z[k] = 0.0f;
+      acc[k] = 0.0f;
     }
   }
-  __syncthreads();
+};
 
-  // --- merge the groups, cast to the activation dtype, sum of squares (over the cluster: fixed order)
-  float ss = 0.0f;
-  for (int ch = tid; ch < dk; ch += blockDim.x) {
-    float mx = kNegInf;
-    for (int gg = 0; gg < groups; ++gg) mx = fmaxf(mx, part[gg * dk + ch]);
-    float z = 0.0f, acc = 0.0f;
-    for (int gg = 0; gg < groups; ++gg) {
-      const float f = expf(__fsub_rn(part[gg * dk + ch], mx));  // 0 for a group that saw no slot
-      z = __fmaf_rn(part[(groups + gg) * dk + ch], f, z);
-      acc = __fmaf_rn(part[(2 * groups + gg) * dk + ch], f, acc);
+// (m1, z1, a1) <- merged with (m2, z2, a2): one exp, the larger max stays.
+__device__ __forceinline__ void merge_into(float& m1, float& z1, float& a1, float m2, float z2, float a2) {
+  if (m2 == kNegInf) return;
+  if (m1 == kNegInf) {
+    m1 = m2;
+    z1 = z2;
+    a1 = a2;
+  } else if (m1 >= m2) {
+    const float f = expf(__fsub_rn(m2, m1));
+    z1 = __fmaf_rn(z2, f, z1);
+    a1 = __fmaf_rn(a2, f, a1);
+  } else {
+    const float f = expf(__fsub_rn(m1, m2));
+    z1 = __fmaf_rn(z1, f, z2);
+    a1 = __fmaf_rn(a1, f, a2);
+    m1 = m2;
+  }
+}
+
+// A batch of slots (ok[u]: the slot exists): exact softmax over the batch, merged into the partial.
+__device__ __forceinline__ void reduce_batch(const float4 (&v)[kBatch], const float4 (&s)[kBatch],
+                                             const bool (&ok)[kBatch], Pool& ps) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float bm = kNegInf;
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+      if (ok[u]) bm = fmaxf(bm, comp(s[u], k));
+    if (bm > kNegInf) {
+      float bz = 0.0f, ba = 0.0f;
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (ok[u]) {
+          const float e = expf(__fsub_rn(comp(s[u], k), bm));
+          bz = __fadd_rn(bz, e);
+          ba = __fmaf_rn(e, comp(v[u], k), ba);
+        }
+      }
+      merge_into(ps.mx[k], ps.z[k], ps.acc[k], bm, bz, ba);
     }
-    const float x = round_to<OutT>(__fdiv_rn(acc, z));
-    vals[ch] = x;
-    ss = __fmaf_rn(x, x, ss);
   }
-  ss = block_sum(ss, scratch);
-  if (k_cl > 1) {
-    if (tid == 0) scratch[32] = ss;
-    cluster_sync();
-    ss = 0.0f;
-    for (int rr = 0; rr < k_cl; ++rr) ss = __fadd_rn(ss, *cluster_map(scratch + 32, rr));
-    cluster_sync();  // every CTA has read the partials before any overwrites them
-  }
+}
 
-  // --- RMSNorm (fp32, weight after the normalisation, as the reference), cast
-  const float rs = rsqrtf(__fadd_rn(__fdiv_rn(ss, static_cast<float>(d)), a.eps));
-  for (int ch = tid; ch < dk; ch += blockDim.x)
-    vals[ch] = round_to<OutT>(__fmul_rn(sm.norm_w[ch], __fmul_rn(vals[ch], rs)));
-  __syncthreads();
-
-  // --- RoPE at the window's first position on the last rope_dim channels (interleaved pairs), cast
-  const int nope = d - a.rope_dim;
-  const float pos = static_cast<float>(w * m);
-  for (int i = 2 * tid; i < dk; i += 2 * blockDim.x) {
-    if (ch0 + i < nope) continue;
-    const float ang = __fmul_rn(pos, sm.freq[(ch0 + i - nope) / 2]);
-    const float cs = cosf(ang), sn = sinf(ang);
-    const float x0 = vals[i], x1 = vals[i + 1];
-    vals[i] = round_to<OutT>(__fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn)));
-    vals[i + 1] = round_to<OutT>(__fadd_rn(__fmul_rn(x1, cs), __fmul_rn(x0, sn)));
-  }
-  __syncthreads();
-
-  if (blk < 0 || blk >= a.n_blocks) return;  // uniform over the work item
-  const int64_t dst_row = blk * a.per_block + wc % a.per_block;
-  const int lane = tid & 31, warp = tid >> 5, n_warps = blockDim.x >> 5;
-
-  if constexpr (QUANT == kQuantNone) {
-    OutT* out = static_cast<OutT*>(a.entry_cache) + dst_row * a.row + ch0;
-    for (int ch = tid; ch < dk; ch += blockDim.x) out[ch] = Num<OutT>::store(vals[ch]);
-  } else if constexpr (QUANT == kQuantFp8 || QUANT == kQuantFp8Sim) {
-    // the slice holds whole 64-blocks (the launcher picks K so): block b0 + lb is local block lb
-    const int n_blocks = nope / kFp8Block, b0 = ch0 / kFp8Block;
-    for (int lb = warp; lb < dk / kFp8Block && b0 + lb < n_blocks; lb += n_warps) {
-      const int i = lb * kFp8Block + 2 * lane;
-      const float v0 = vals[i], v1 = vals[i + 1];
-      const int k = pow2_scale_exp(warp_max(fmaxf(fabsf(v0), fabsf(v1))), kFp8AmaxFloor, kFp8InvMax);
-      const float scale = exp2_int(k);
-      const uint8_t c0 = fp8_encode(v0, scale), c1 = fp8_encode(v1, scale);
-      if constexpr (QUANT == kQuantFp8) {
-        uint8_t* out = static_cast<uint8_t*>(a.entry_cache) + dst_row * a.row;
-        out[ch0 + i] = c0;
-        out[ch0 + i + 1] = c1;
-        if (lane == 0) out[nope + 2 * a.rope_dim + b0 + lb] = static_cast<uint8_t>(k + 127);
-      } else {
-        OutT* out = static_cast<OutT*>(a.entry_cache) + dst_row * a.row + ch0;
-        out[i] = Num<OutT>::store(__fmul_rn(fp8_decode(c0), scale));
-        out[i + 1] = Num<OutT>::store(__fmul_rn(fp8_decode(c1), scale));
+// Pooling from registers: slots j = g, g + G, ... in batches of kBatch (one load round a batch).
+__device__ void pool_regs(const CompressorArgs& a, const Ctx& x, const Tok& tk, int w, Pool& ps) {
+  const int m = a.ratio, wbase = (w - a.c + 1) * m;
+  for (int jb = x.g; jb < x.n_pool; jb += kBatch * x.G) {
+    float4 v[kBatch], s[kBatch];
+    bool ok[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int j = jb + u * x.G, q = wbase + j;
+      ok[u] = j < x.n_pool && q >= 0;  // q < 0: window -1 of the first entry, weight 0
+      v[u] = s[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (ok[u]) {
+        const int qm = slot_qm(j, m);
+        load_pair(a, row_ref(a, tk, q, qm), qm, slot_half(a, j) + x.col, v[u], s[u]);
       }
     }
-    const int rope0 = nope > ch0 ? nope - ch0 : 0;  // first local rope channel
-    if constexpr (QUANT == kQuantFp8) {
-      uint8_t* out = static_cast<uint8_t*>(a.entry_cache) + dst_row * a.row;
-      // one 16-bit store per value, as in swa.cu: storing the two bytes of the bf16 separately wrote wrong low
-      // bytes on an H200 (nvcc 13.0, sm_90a)
-      __nv_bfloat16* rope = reinterpret_cast<__nv_bfloat16*>(out + nope);
-      for (int i = rope0 + tid; i < dk; i += blockDim.x) rope[ch0 + i - nope] = __float2bfloat16_rn(vals[i]);
-      if (rank == 0) {
-        for (int i = nope + 2 * a.rope_dim + n_blocks + tid; i < a.row; i += blockDim.x) out[i] = 0;
+    reduce_batch(v, s, ok, ps);
+  }
+}
+
+// The slots of a closing token's entry w (one batch a thread) to this thread's stage `buf`, asynchronously. Every
+// thread commits one group per call (maybe empty), so the waits count the same everywhere.
+__device__ void prefetch_entry(const CompressorArgs& a, const Ctx& x, const Shared& sh, const Tok& tk, int w,
+                               int buf) {
+  if (x.pools) {
+    const int m = a.ratio, wbase = (w - a.c + 1) * m;
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int j = x.g + u * x.G, q = wbase + j;
+      if (j < x.n_pool && q >= 0) {
+        const RowRef rr = row_ref(a, tk, q, slot_qm(j, m));
+        const int64_t off = rr.off + slot_half(a, j) + x.col;
+        cp_async16(stage_at(sh, buf, u, 0), (rr.fresh ? a.kv : a.kv_state) + off);
+        cp_async16(stage_at(sh, buf, u, 1), (rr.fresh ? a.score : a.score_state) + off);
       }
+    }
+  }
+  cp_async_commit();
+}
+
+// Pooling from the stage (after its group's wait); `ape` holds ape[slot mod m] of the thread's slots.
+__device__ __forceinline__ void pool_staged(const CompressorArgs& a, const Ctx& x, const Shared& sh, const Tok& tk,
+                                            int w, int buf, const float4 (&ape)[kBatch], Pool& ps) {
+  const int wbase = (w - a.c + 1) * a.ratio;
+  float4 v[kBatch], s[kBatch];
+  bool ok[kBatch];
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u) {
+    const int j = x.g + u * x.G, q = wbase + j;
+    ok[u] = j < x.n_pool && q >= 0;
+    v[u] = s[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (ok[u]) {
+      v[u] = *stage_at(sh, buf, u, 0);
+      s[u] = *stage_at(sh, buf, u, 1);
+      if (q >= tk.s) s[u] = add4(s[u], ape[u]);
+    }
+  }
+  reduce_batch(v, s, ok, ps);
+}
+
+// Pooling of the owner whose entry w is the last closed window, with its overlap-row copy (c == 2, G == m): slots g
+// (A half of window w-1) and m + g (B half of window w), and window w's row g goes to overlap row g, in one load
+// round. This thread read overlap row g's old columns (slot g, here or in the owner's first entry), so its stores
+// need no barrier.
+__device__ __forceinline__ void pool_fused(const CompressorArgs& a, const Ctx& x, const Tok& tk, int w, Pool& ps) {
+  const int m = a.ratio, d = a.d;
+  const int64_t cw = 2 * static_cast<int64_t>(d);
+  const int q0 = (w - 1) * m + x.g;
+  const bool ok0 = q0 >= 0;  // window -1 of the first entry: weight 0
+  float4 v0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), s0 = v0, v1, s1, fk, fs;
+  if (ok0) load_pair(a, row_ref(a, tk, q0, x.g), x.g, x.col, v0, s0);
+  const RowRef rr = row_ref(a, tk, w * m + x.g, x.g);
+  load_pair(a, rr, x.g, d + x.col, v1, s1);
+  load_pair(a, rr, x.g, x.col, fk, fs);
+  const int64_t row = (static_cast<int64_t>(tk.r) * 2 * m + x.g) * cw;
+  st4(a.kv_state + row + x.col, fk);
+  st4(a.kv_state + row + d + x.col, v1);
+  st4(a.score_state + row + x.col, fs);
+  st4(a.score_state + row + d + x.col, s1);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float sa = comp(s0, k), sb = comp(s1, k);
+    const float bm = ok0 ? fmaxf(sa, sb) : sb;
+    const float eb = expf(__fsub_rn(sb, bm));
+    if (ok0) {
+      const float ea = expf(__fsub_rn(sa, bm));
+      ps.z[k] = __fadd_rn(ea, eb);
+      ps.acc[k] = __fmaf_rn(eb, comp(v1, k), __fmul_rn(ea, comp(v0, k)));
     } else {
-      OutT* out = static_cast<OutT*>(a.entry_cache) + dst_row * a.row + ch0;
-      for (int i = rope0 + tid; i < dk; i += blockDim.x) out[i] = Num<OutT>::store(round_to<__nv_bfloat16>(vals[i]));
+      ps.z[k] = eb;
+      ps.acc[k] = __fmul_rn(eb, comp(v1, k));
+    }
+    ps.mx[k] = bm;
+  }
+}
+
+// Constants of the thread's quad when it post-processes entries.
+struct Consts {
+  float nw[4];  // norm weight
+  float fr[2];  // rope frequencies of its two channel pairs (rope quads)
+};
+
+// RoPE rotation of the quad's two channel pairs at the window's first position (rope quads), computed before the
+// pooling so that it runs while the slots load.
+struct Rot {
+  float cs[2], sn[2];
+};
+
+__device__ __forceinline__ Rot rope_rot(const CompressorArgs& a, const Ctx& x, const Consts& cs, int w) {
+  Rot rt = {{1.0f, 1.0f}, {0.0f, 0.0f}};
+  if (x.post && x.col >= a.d - a.rope_dim) {
+    const float pos = static_cast<float>(static_cast<int64_t>(w) * a.ratio);
+#pragma unroll
+    for (int pr = 0; pr < 2; ++pr) {
+      const float ang = __fmul_rn(pos, cs.fr[pr]);
+      rt.cs[pr] = cosf(ang);
+      rt.sn[pr] = sinf(ang);
+    }
+  }
+  return rt;
+}
+
+// x / 2^k as a product: the same single rounding as the division (2^-k is a normal float for k < 127).
+__device__ __forceinline__ float div_pow2(float x, int k) {
+  return k < 127 ? __fmul_rn(x, exp2_int(-k)) : __fdiv_rn(x, exp2_int(k));
+}
+
+// Destination of entry w through the block table (w clamped as the reference does); loaded before the pooling.
+struct Dest {
+  int64_t blk;
+  int in_block;
+};
+
+__device__ __forceinline__ Dest entry_dest(const CompressorArgs& a, const Ctx& x, const Tok& tk, int w) {
+  const int n_entries = static_cast<int>(a.bt_cols * a.per_block), per_block = static_cast<int>(a.per_block);
+  const int wc = w < 0 ? 0 : (w >= n_entries ? n_entries - 1 : w);
+  const int col = wc / per_block;
+  Dest dst{-1, wc - col * per_block};
+  if (x.post) dst.blk = a.block_table[static_cast<int64_t>(tk.r) * a.bt_stride + col];
+  return dst;
+}
+
+// The groups' partials merged (a tree through shared memory, fixed order), then: cast, RMS-norm, RoPE, quantise
+// and store this CTA's slice of entry w. Every thread of the CTA calls it (barriers, warp shuffles).
+template <typename OutT, int QUANT>
+__device__ void finish_entry(const CompressorArgs& a, const Ctx& x, const Shared& sh, const Consts& cs,
+                             const Rot& rt, const Dest& dst, Pool& ps, int round) {
+  const int d = a.d, col = x.col;
+  if (x.G > 1) {
+    float4* pm = sh.part;
+    float4* pz = sh.part + x.G * x.quads;
+    float4* pa = sh.part + 2 * x.G * x.quads;
+    const int mine = x.g * x.quads + x.quad;
+    if (x.pools) {
+      pm[mine] = make_float4(ps.mx[0], ps.mx[1], ps.mx[2], ps.mx[3]);
+      pz[mine] = make_float4(ps.z[0], ps.z[1], ps.z[2], ps.z[3]);
+      pa[mine] = make_float4(ps.acc[0], ps.acc[1], ps.acc[2], ps.acc[3]);
+    }
+    for (int half = x.g_half; half >= 1; half >>= 1) {
+      __syncthreads();
+      if (x.pools && x.g < half && x.g + half < x.G) {
+        const int o = mine + half * x.quads;
+        const float4 m2 = pm[o], z2 = pz[o], a2 = pa[o];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) merge_into(ps.mx[k], ps.z[k], ps.acc[k], comp(m2, k), comp(z2, k), comp(a2, k));
+        if (half > 1) {
+          pm[mine] = make_float4(ps.mx[0], ps.mx[1], ps.mx[2], ps.mx[3]);
+          pz[mine] = make_float4(ps.z[0], ps.z[1], ps.z[2], ps.z[3]);
+          pa[mine] = make_float4(ps.acc[0], ps.acc[1], ps.acc[2], ps.acc[3]);
+        }
+      }
+    }
+  }
+
+  // --- cast to the activation dtype, sum of squares over the CTA, then the cluster (fixed order)
+  float val[4];
+  float ss = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    val[k] = x.post ? round_to<OutT>(__fdiv_rn(ps.acc[k], ps.z[k])) : 0.0f;
+    ss = __fmaf_rn(val[k], val[k], ss);
+  }
+  ss = warp_sum(ss);
+  const int lane = x.tid & 31, warp = x.tid >> 5, buf = round & 1;
+  if (lane == 0 && warp < x.post_warps) sh.red[buf * kMaxWarps + warp] = ss;
+  __syncthreads();
+  float tot = 0.0f;
+  for (int i = 0; i < x.post_warps; ++i) tot = __fadd_rn(tot, sh.red[buf * kMaxWarps + i]);
+  if (x.K > 1) {
+    float* mine = sh.red + 2 * kMaxWarps + buf;
+    if (x.tid == 0) *mine = tot;
+    cluster_sync();
+    tot = 0.0f;
+    for (int rr = 0; rr < x.K; ++rr) tot = __fadd_rn(tot, *cluster_map(mine, rr));
+  }
+
+  // --- RMSNorm (fp32, weight after the normalisation, as the reference), cast; RoPE at the window's first
+  // position on the last rope_dim channels (interleaved pairs), cast
+  const float rs = rsqrtf(__fadd_rn(__fdiv_rn(tot, static_cast<float>(d)), a.eps));
+#pragma unroll
+  for (int k = 0; k < 4; ++k) val[k] = round_to<OutT>(__fmul_rn(cs.nw[k], __fmul_rn(val[k], rs)));
+  const int nope = d - a.rope_dim;
+  if (x.post && col >= nope) {
+#pragma unroll
+    for (int pr = 0; pr < 2; ++pr) {
+      const float cn = rt.cs[pr], sn = rt.sn[pr];
+      const float x0 = val[2 * pr], x1 = val[2 * pr + 1];
+      val[2 * pr] = round_to<OutT>(__fsub_rn(__fmul_rn(x0, cn), __fmul_rn(x1, sn)));
+      val[2 * pr + 1] = round_to<OutT>(__fadd_rn(__fmul_rn(x1, cn), __fmul_rn(x0, sn)));
+    }
+  }
+
+  // --- quantise, store
+  const bool store = x.post && dst.blk >= 0 && dst.blk < a.n_blocks;  // else nothing is stored
+  const int64_t dst_row = store ? dst.blk * a.per_block + dst.in_block : 0;
+  if constexpr (QUANT == kQuantNone) {
+    if (store) store4<OutT>(static_cast<OutT*>(a.entry_cache) + dst_row * a.row + col, val);
+  } else if constexpr (QUANT == kQuantFp8 || QUANT == kQuantFp8Sim) {
+    // blocks of 64 channels = 16 quads = half a warp (slices hold whole blocks: the launcher picks K so)
+    float am = fmaxf(fmaxf(fabsf(val[0]), fabsf(val[1])), fmaxf(fabsf(val[2]), fabsf(val[3])));
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+    if (store) {
+      if (col < nope) {
+        const int e8 = pow2_scale_exp(am, kFp8AmaxFloor, kFp8InvMax);
+        const float scale = exp2_int(e8);
+        uint8_t q[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {  // fp8_encode with the division by the power of two as a product
+          const float y = fminf(fmaxf(div_pow2(val[k], e8), -kFp8Max), kFp8Max);
+          q[k] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3));
+        }
+        if constexpr (QUANT == kQuantFp8) {
+          uint8_t* out = static_cast<uint8_t*>(a.entry_cache) + dst_row * a.row;
+          *reinterpret_cast<uint32_t*>(out + col) = static_cast<uint32_t>(q[0]) | (static_cast<uint32_t>(q[1]) << 8) |
+                                                    (static_cast<uint32_t>(q[2]) << 16) |
+                                                    (static_cast<uint32_t>(q[3]) << 24);
+          if ((x.quad & 15) == 0) out[nope + 2 * a.rope_dim + col / kFp8Block] = static_cast<uint8_t>(e8 + 127);
+        } else {
+          float o[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) o[k] = __fmul_rn(fp8_decode(q[k]), scale);
+          store4<OutT>(static_cast<OutT*>(a.entry_cache) + dst_row * a.row + col, o);
+        }
+      } else {
+        if constexpr (QUANT == kQuantFp8) {
+          // whole 32-bit stores of bf16 pairs (storing the bytes of a bf16 separately wrote wrong low bytes on an
+          // H200, nvcc 13.0, sm_90a)
+          uint8_t* out = static_cast<uint8_t*>(a.entry_cache) + dst_row * a.row + nope + 2 * (col - nope);
+          __nv_bfloat162 lo = __floats2bfloat162_rn(val[0], val[1]), hi = __floats2bfloat162_rn(val[2], val[3]);
+          reinterpret_cast<uint32_t*>(out)[0] = *reinterpret_cast<uint32_t*>(&lo);
+          reinterpret_cast<uint32_t*>(out)[1] = *reinterpret_cast<uint32_t*>(&hi);
+        } else {
+          float o[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) o[k] = round_to<__nv_bfloat16>(val[k]);
+          store4<OutT>(static_cast<OutT*>(a.entry_cache) + dst_row * a.row + col, o);
+        }
+      }
+      if constexpr (QUANT == kQuantFp8) {
+        if (x.rank == 0 && x.quad == 0) {  // the row's padding bytes
+          uint8_t* out = static_cast<uint8_t*>(a.entry_cache) + dst_row * a.row;
+          for (int64_t i = nope + 2 * a.rope_dim + nope / kFp8Block; i < a.row; ++i) out[i] = 0;
+        }
+      }
     }
   } else {  // FP4 formats (whole rows: K == 1): normalised Walsh-Hadamard (Sylvester order, the reference's
-            // butterflies), then e2m1 in blocks of 32
-    for (int h = 1; h < d; h <<= 1) {
-      for (int idx = tid; idx < d / 2; idx += blockDim.x) {
-        const int i = (idx / h) * 2 * h + idx % h, j = i + h;
-        const float x0 = vals[i], x1 = vals[j];
-        vals[i] = __fadd_rn(x0, x1);
-        vals[j] = __fsub_rn(x0, x1);
+            // butterflies), then e2m1 in blocks of 32 channels = 8 quads
+    {
+      const float t0 = __fadd_rn(val[0], val[1]), t1 = __fsub_rn(val[0], val[1]);
+      const float t2 = __fadd_rn(val[2], val[3]), t3 = __fsub_rn(val[2], val[3]);
+      val[0] = __fadd_rn(t0, t2);
+      val[1] = __fadd_rn(t1, t3);
+      val[2] = __fsub_rn(t0, t2);
+      val[3] = __fsub_rn(t1, t3);
+    }
+    for (int hq = 1; hq < x.quads; hq <<= 1) {  // h = 4 * hq: the partner quad is quad ^ hq
+      float pv[4];
+      if (hq < 32) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) pv[k] = __shfl_xor_sync(0xffffffffu, val[k], hq);
+      } else {
+        __syncthreads();  // the previous stage's reads are done
+        if (x.post) st4(sh.had + 4 * x.quad, make_float4(val[0], val[1], val[2], val[3]));
+        __syncthreads();
+        const float4 t = x.post ? ld4(sh.had + 4 * (x.quad ^ hq)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        pv[0] = t.x;
+        pv[1] = t.y;
+        pv[2] = t.z;
+        pv[3] = t.w;
       }
-      __syncthreads();
+      const bool lower = (x.quad & hq) == 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) val[k] = lower ? __fadd_rn(val[k], pv[k]) : __fsub_rn(pv[k], val[k]);
     }
     const float hs = static_cast<float>(1.0 / sqrt(static_cast<double>(d)));
-    const int n_blocks = d / kFp4Block;
-    for (int b = warp; b < n_blocks; b += n_warps) {
-      const int i = b * kFp4Block + lane;
-      const float v = __fmul_rn(vals[i], hs);
-      const int k = pow2_scale_exp(warp_max(fabsf(v)), kFp4AmaxFloor, kFp4InvMax);
-      const float scale = exp2_int(k);
-      const float y = __fdiv_rn(v, scale);
-      const uint8_t code = e2m1_encode(y);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) val[k] = __fmul_rn(val[k], hs);
+    float am = fmaxf(fmaxf(fabsf(val[0]), fabsf(val[1])), fmaxf(fabsf(val[2]), fabsf(val[3])));
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+    if (store) {
+      const int e4 = pow2_scale_exp(am, kFp4AmaxFloor, kFp4InvMax);
+      const float scale = exp2_int(e4);
+      float y[4];
+      uint8_t code[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        y[k] = div_pow2(val[k], e4);
+        code[k] = e2m1_encode(y[k]);
+      }
       if constexpr (QUANT == kQuantFp4) {
         uint8_t* out = static_cast<uint8_t*>(a.entry_cache) + dst_row * a.row;
-        const unsigned hi = __shfl_down_sync(0xffffffffu, static_cast<unsigned>(code), 1);
-        if ((lane & 1) == 0) out[i / 2] = static_cast<uint8_t>(code | (hi << 4));
-        if (lane == 0) out[d / 2 + b] = static_cast<uint8_t>(k + 127);
+        out[col / 2] = static_cast<uint8_t>(code[0] | (code[1] << 4));
+        out[col / 2 + 1] = static_cast<uint8_t>(code[2] | (code[3] << 4));
+        if ((x.quad & 7) == 0) out[d / 2 + col / kFp4Block] = static_cast<uint8_t>(e4 + 127);
       } else {
-        OutT* out = static_cast<OutT*>(a.entry_cache) + dst_row * a.row;
-        out[i] = Num<OutT>::store(__fmul_rn(copysignf(e2m1_magnitude(code & 7), y), scale));
+        float o[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) o[k] = __fmul_rn(copysignf(e2m1_magnitude(code[k] & 7), y[k]), scale);
+        store4<OutT>(static_cast<OutT*>(a.entry_cache) + dst_row * a.row + col, o);
       }
     }
   }
 }
 
-// This CTA's column slice of kv_state/score_state rows dst0 + j <- rows of positions q0 + j, j < n_rows (this
-// call's rows get score + ape), by threads first, first + stride, ... Each thread loads up to 4 rows' columns before
-// storing them, so a copy costs one memory round trip, not one per row. Sources and destinations must not overlap.
-__device__ __forceinline__ void copy_rows(const CompressorArgs& a, const Token& tok, int64_t dst0, int64_t q0,
-                                          int64_t n_rows, int rank, int first, int stride) {
-  const int64_t cw = static_cast<int64_t>(a.c) * a.d, rows = static_cast<int64_t>(a.c) * a.ratio;
-  const int64_t part = cw / a.cluster, lo = rank * part;
-  float* kd = a.kv_state + (tok.r * rows + dst0) * cw;
-  float* sd = a.score_state + (tok.r * rows + dst0) * cw;
-  for (int64_t i = lo + 4 * first; i < lo + part; i += 4 * stride) {
-    for (int64_t j0 = 0; j0 < n_rows; j0 += 4) {
-      float4 kv[4], sc[4];
+
+// This CTA's columns of kv_state/score_state rows dst0 + j <- rows of positions q0 + j, j < n_rows, of the token's
+// request (this call's rows get score + ape). Each thread loads kCopyUnroll float4 columns before storing them.
+// Sources and destinations must not overlap.
+__device__ void copy_rows(const CompressorArgs& a, const Ctx& x, const Tok& tk, int dst0, int q0, int n_rows) {
+  const int m = a.ratio, c = a.c, d = a.d, ncol = c * x.quads;
+  const int64_t cw = static_cast<int64_t>(c) * d;
+  const int64_t base = (static_cast<int64_t>(tk.r) * c * m + dst0) * cw;
+  const int items = n_rows * ncol;
+  for (int i0 = x.tid; i0 < items; i0 += kCopyUnroll * blockDim.x) {
+    float4 v[kCopyUnroll], s[kCopyUnroll];
+    int64_t dst[kCopyUnroll];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        if (j0 + u < n_rows) {
-          const Src src = source_row(a, tok, q0 + j0 + u);
-          kv[u] = ld4(src.kv + i);
-          sc[u] = ld4(src.sc + i);
-          if (src.ape != nullptr) sc[u] = add4(sc[u], ld4(src.ape + i));
-        }
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int idx = i0 + u * static_cast<int>(blockDim.x);
+      dst[u] = -1;
+      if (idx < items) {
+        const int j = idx / ncol, cc = idx - j * ncol;
+        const int col = (cc / x.quads) * d + x.ch0 + 4 * (cc % x.quads);
+        const int q = q0 + j, qm = mod_pos(q, m);
+        load_pair(a, row_ref(a, tk, q, qm), qm, col, v[u], s[u]);
+        dst[u] = base + j * cw + col;
       }
+    }
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        if (j0 + u < n_rows) {
-          st4(kd + (j0 + u) * cw + i, kv[u]);
-          st4(sd + (j0 + u) * cw + i, sc[u]);
-        }
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      if (dst[u] >= 0) {
+        st4(a.kv_state + dst[u], v[u]);
+        st4(a.score_state + dst[u], s[u]);
+      }
+    }
+  }
+}
+
+// The chunk's row-writing tokens: (kv, score + ape) rows to open row p mod m, this CTA's columns, all at once.
+__device__ void write_rows(const CompressorArgs& a, const Ctx& x, const Shared& sh, int64_t t0, int chunk, int n_row) {
+  const int m = a.ratio, c = a.c, d = a.d, ncol = c * x.quads;
+  const int64_t cw = static_cast<int64_t>(c) * d;
+  const int items = n_row * ncol;
+  for (int i0 = x.tid; i0 < items; i0 += kCopyUnroll * blockDim.x) {
+    float4 v[kCopyUnroll], s[kCopyUnroll];
+    int64_t dst[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int idx = i0 + u * static_cast<int>(blockDim.x);
+      dst[u] = -1;
+      if (idx < items) {
+        const int k = idx / ncol, cc = idx - k * ncol;
+        const int lt = sh.list[chunk + k];
+        const int r = sh.meta[lt], pm = mod_pos(sh.meta[chunk + lt], m);
+        const int col = (cc / x.quads) * d + x.ch0 + 4 * (cc % x.quads);
+        const int64_t src = (t0 + lt) * cw + col;
+        v[u] = ld4(a.kv + src);
+        s[u] = add4(ld4(a.score + src), ld4(a.ape + pm * cw + col));
+        dst[u] = (static_cast<int64_t>(r) * c * m + (c - 1) * m + pm) * cw + col;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      if (dst[u] >= 0) {
+        st4(a.kv_state + dst[u], v[u]);
+        st4(a.score_state + dst[u], s[u]);
       }
     }
   }
@@ -350,152 +649,308 @@ __device__ __forceinline__ void copy_rows(const CompressorArgs& a, const Token& 
 // own open row (kWriteRow), or close a window (kClose: an entry, and the owner's state writes).
 enum Work : int { kNone = 0, kWriteRow = 1, kClose = 2 };
 
-__device__ __forceinline__ int token_work(const CompressorArgs& a, int64_t p, int64_t s, int64_t e) {
-  const int64_t m = a.ratio, open_start = floor_div(s, m) * m, open_end = floor_div(e, m) * m;
+__device__ __forceinline__ int token_work(const CompressorArgs& a, int p, int s, int e) {
+  const int m = a.ratio, open_start = floor_div(s, m) * m, open_end = floor_div(e, m) * m;
   const bool has_close = open_end > open_start;
   if (mod_pos(p + 1, m) == 0) return (a.c == 2 && floor_div(p + 1, m) - 1 == open_start / m + 1) ? kNone : kClose;
   return (p >= open_end && !(has_close && p - open_end < s - open_start)) ? kWriteRow : kNone;
 }
 
-// A closing token (see token_work): its entry (the owner: entries w0 and w0 + 1), then the owner's state writes.
-template <typename OutT, int QUANT>
-__device__ void process_token(const CompressorArgs& a, int64_t t, int64_t r, int64_t p, int64_t s, int64_t e,
-                              const Smem& sm, int rank) {
-  Token tok;
-  tok.t = t;
-  tok.r = r;
-  const int64_t m = a.ratio;
-  tok.p = p;
-  tok.s = s;
-  tok.e = e;
-  tok.open_start = floor_div(tok.s, m) * m;
-  const int64_t open_end = floor_div(tok.e, m) * m;
-  const bool has_close = open_end > tok.open_start;  // some window of the request closes in [s, e)
-  const bool closes = mod_pos(tok.p + 1, m) == 0;
-  const int64_t w = floor_div(tok.p + 1, m) - 1;
-  const int64_t w0 = tok.open_start / m, w_last = open_end / m - 1;
-  const bool owner = has_close && closes && w == w0;
+__device__ __forceinline__ int closed_window(const CompressorArgs& a, const Tok& tk) {
+  return floor_div(tk.p + 1, a.ratio) - 1;
+}
 
-  if (closes) {
-    if (!(a.c == 2 && w == w0 + 1)) emit_entry<OutT, QUANT>(a, tok, w, sm, rank);  // w0 + 1: the owner's
-    if (owner && a.c == 2 && w0 + 1 <= w_last) emit_entry<OutT, QUANT>(a, tok, w0 + 1, sm, rank);
+// Closing token k of the chunk: its entry (the owner: entries w0 and w0 + 1), then the owner's state writes. With
+// the pipeline (`pipe`), its slots are in stage k % kStages, and closing token k + kStages is prefetched there.
+template <typename OutT, int QUANT>
+__device__ void process_closer(const CompressorArgs& a, const Ctx& x, const Shared& sh, const Consts& cs, int64_t t0,
+                               int chunk, int k, int n_close, bool pipe, const float4 (&ape)[kBatch], int& round) {
+  const int m = a.ratio, c = a.c;
+  const Tok tk = chunk_token(a, sh, t0, chunk, sh.list[k]);
+  const int open_end = floor_div(tk.e, m) * m;
+  const int w = closed_window(a, tk);
+  const int w0 = tk.open_start / m, w_last = open_end / m - 1;
+  const bool owner = w == w0;  // this token closes a window, so some window of the request closes
+  const bool second = owner && c == 2 && w0 + 1 <= w_last;
+  const bool fused = owner && c == 2 && x.G == m && (second ? w0 + 1 == w_last : true);  // last entry is w_last
+
+  Pool ps;
+  ps.init();
+  Dest dst = entry_dest(a, x, tk, w);
+  Rot rt = rope_rot(a, x, cs, w);
+  if (pipe) cp_async_wait<kStages - 1>();  // this closing token's group has landed
+  if (x.pools) {
+    if (fused && !second) {
+      pool_fused(a, x, tk, w, ps);
+    } else if (pipe) {
+      pool_staged(a, x, sh, tk, w, k % kStages, ape, ps);
+    } else {
+      pool_regs(a, x, tk, w, ps);
+    }
   }
+  if (pipe) {  // the stage is consumed: closing token k + kStages goes there
+    if (k + kStages < n_close) {
+      const Tok nt = chunk_token(a, sh, t0, chunk, sh.list[k + kStages]);
+      prefetch_entry(a, x, sh, nt, closed_window(a, nt), k % kStages);
+    } else {
+      cp_async_commit();
+    }
+  }
+  finish_entry<OutT, QUANT>(a, x, sh, cs, rt, dst, ps, round++);
+  if (second) {
+    ps.init();
+    dst = entry_dest(a, x, tk, w0 + 1);
+    rt = rope_rot(a, x, cs, w0 + 1);
+    if (x.pools) {
+      if (fused) {
+        pool_fused(a, x, tk, w0 + 1, ps);
+      } else {
+        pool_regs(a, x, tk, w0 + 1, ps);
+      }
+    }
+    finish_entry<OutT, QUANT>(a, x, sh, cs, rt, dst, ps, round++);
+  }
+  if (!owner) return;
 
   // --- the owner's state writes: (overlap) the last closed window's rows, and the new open rows over rows of
   // [w0*m, s) (rows j < s - w0*m; the other new open tokens write their own rows, see token_work)
-  if (!owner) return;
-  const int64_t open_row0 = static_cast<int64_t>(a.c - 1) * m;
-  sync_item(a.cluster);  // the owner's reads of the pre-step state are done, in every CTA of the item
-  if (a.c == 2) {
-    copy_rows(a, tok, 0, w_last * m, m, rank, threadIdx.x, blockDim.x);
-    sync_item(a.cluster);  // those copies read open rows that the copy below may overwrite
+  const int n_new = tk.e - open_end, n_read = tk.s - tk.open_start;
+  const int n_over = n_new < n_read ? n_new : n_read;
+  if ((c == 2 && !fused) || n_over > 0) __syncthreads();  // this CTA's reads of the pre-step state are done
+  if (c == 2 && !fused) {
+    copy_rows(a, x, tk, 0, w_last * m, m);
+    if (n_over > 0) __syncthreads();  // those copies read open rows that the copy below may overwrite
   }
-  const int64_t n_new = tok.e - open_end, n_read = tok.s - tok.open_start;
-  copy_rows(a, tok, open_row0, open_end, n_new < n_read ? n_new : n_read, rank, threadIdx.x, blockDim.x);
+  if (n_over > 0) copy_rows(a, x, tk, (c - 1) * m, open_end, n_over);
 }
 
 template <typename OutT, int QUANT>
-__global__ void __launch_bounds__(kMaxThreads) compressor_update_kernel(const CompressorArgs a) {
-  extern __shared__ float smem[];
-  const int rank = a.cluster > 1 ? static_cast<int>(cluster_rank()) : 0;
-  const int dk = a.d / a.cluster, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const Smem sm = carve_smem(smem, dk, a.rope_dim);
-  for (int i = tid; i < dk; i += blockDim.x) sm.norm_w[i] = a.norm_weight[rank * dk + i];
-  for (int i = tid; i < a.rope_dim / 2; i += blockDim.x) sm.freq[i] = a.inv_freq[i];
-  const int64_t item = blockIdx.x / a.cluster, n_items = gridDim.x / a.cluster;
-  for (int64_t base = item; base < a.n_tokens; base += n_items * blockDim.x) {
-    // the batch: token base + i * n_items for thread i; keep the tokens with work, in order
-    const int64_t t = base + tid * n_items;
-    int r = -1, p = 0, s = 0, e = 0, work = kNone;
+__global__ void __launch_bounds__(kMaxThreads) compressor_update_kernel(const __grid_constant__ CompressorArgs a) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous grid's writes are visible
+  extern __shared__ float4 smem[];
+  constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
+  Ctx x;
+  x.K = a.cluster;
+  x.rank = x.K > 1 ? static_cast<int>(cluster_rank()) : 0;
+  x.dk = a.d / x.K;
+  x.ch0 = x.rank * x.dk;
+  x.quads = x.dk / 4;
+  x.G = a.groups;
+  x.g_half = 1;
+  while (2 * x.g_half < x.G) x.g_half *= 2;
+  x.n_pool = a.c * a.ratio;
+  x.tid = threadIdx.x;
+  x.quad = x.tid % x.quads;
+  x.g = x.tid / x.quads;
+  x.col = x.ch0 + 4 * x.quad;
+  x.pools = x.g < x.G;
+  x.post = x.tid < x.quads;
+  x.post_warps = (x.quads + 31) / 32;
+  const int chunk = a.chunk;
+  const bool pipe = a.pipe != 0;
+  const Shared sh = carve(smem, x, pipe, chunk, had_floats(kFp4, x.quads));
+  const int m = a.ratio;
+  const int64_t cw = static_cast<int64_t>(a.c) * a.d;
+
+  // constants of the quad's post-processing and (pipeline) the ape rows of the thread's slots, loaded with the
+  // metadata
+  Consts cs = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f}};
+  const int nope = a.d - a.rope_dim;
+  if (x.post) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) cs.nw[k] = a.norm_weight[x.col + k];
+    if (x.col >= nope) {
+      cs.fr[0] = a.inv_freq[(x.col - nope) / 2];
+      cs.fr[1] = a.inv_freq[(x.col - nope) / 2 + 1];
+    }
+  }
+  float4 ape[kBatch];
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u) {
+    const int j = x.g + u * x.G;
+    ape[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (pipe && x.pools && j < x.n_pool) ape[u] = ld4(a.ape + slot_qm(j, m) * cw + slot_half(a, j) + x.col);
+  }
+
+  // --- the chunk's metadata (a token per thread), sorted: closing tokens, row-writing tokens (in order)
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x / x.K) * chunk;
+  int work = kNone;
+  if (x.tid < chunk) {
+    const int64_t t = t0 + x.tid;
+    int r = -1, p = 0, s = 0, e = 0;
     if (t < a.n_tokens) {
       r = a.req_slot[t];
-      if (r >= 0 && r < a.n_slots) {  // else a PAD token (the reference uses the spare slot)
-        p = a.positions[t];
-        s = a.start_pos[t];
-        e = a.end_pos[t];
+      p = a.positions[t];
+      s = a.start_pos[t];
+      e = a.end_pos[t];
+      if (r >= 0 && r < a.n_slots) {
         work = token_work(a, p, s, e);
+      } else {
+        r = -1;  // a PAD token (the reference uses the spare slot)
       }
     }
-    const unsigned close_ballot = __ballot_sync(0xffffffffu, work == kClose);
-    const unsigned row_ballot = __ballot_sync(0xffffffffu, work == kWriteRow);
-    const int n_warps = static_cast<int>(blockDim.x >> 5);
-    __syncthreads();  // the previous batch's lists are consumed
-    if (lane == 0) {
-      sm.counts[warp] = __popc(close_ballot);
-      sm.counts[n_warps + warp] = __popc(row_ballot);
-    }
-    __syncthreads();
-    int at_close = 0, n_close = 0, at_row = 0, n_row = 0;
-    for (int wi = 0; wi < n_warps; ++wi) {
-      at_close += wi < warp ? sm.counts[wi] : 0;
-      n_close += sm.counts[wi];
-      at_row += wi < warp ? sm.counts[n_warps + wi] : 0;
-      n_row += sm.counts[n_warps + wi];
-    }
-    if (work != kNone) {
-      const unsigned below = (1u << lane) - 1u;
-      const int at = work == kClose ? at_close + __popc(close_ballot & below)
-                                    : static_cast<int>(blockDim.x) - 1 - (at_row + __popc(row_ballot & below));
-      sm.list[at] = tid;
-      sm.pos[at] = p;
-      sm.start[at] = s;
-      sm.end[at] = e;
-      sm.slot[at] = r;
-    }
-    __syncthreads();
-    // row-writing tokens: a warp each, all at once (nobody reads those rows in this step)
-    for (int k = warp; k < n_row; k += n_warps) {
-      const int at = static_cast<int>(blockDim.x) - 1 - k;
-      Token tok;
-      tok.t = base + sm.list[at] * n_items;
-      tok.r = sm.slot[at];
-      tok.p = sm.pos[at];
-      tok.s = sm.start[at];
-      tok.e = sm.end[at];
-      tok.open_start = floor_div(tok.s, a.ratio) * a.ratio;
-      copy_rows(a, tok, static_cast<int64_t>(a.c - 1) * a.ratio + mod_pos(tok.p, a.ratio), tok.p, 1, rank, lane, 32);
-    }
-    // closing tokens: one after another, the whole CTA (cluster) each
-    for (int k = 0; k < n_close; ++k)
-      process_token<OutT, QUANT>(a, base + sm.list[k] * n_items, sm.slot[k], sm.pos[k], sm.start[k], sm.end[k], sm,
-                                 rank);
+    sh.meta[x.tid] = r;
+    sh.meta[chunk + x.tid] = p;
+    sh.meta[2 * chunk + x.tid] = s;
+    sh.meta[3 * chunk + x.tid] = e;
   }
+  const int lane = x.tid & 31, warp = x.tid >> 5, meta_warps = (chunk + 31) / 32;
+  const unsigned close_ballot = __ballot_sync(0xffffffffu, work == kClose);
+  const unsigned row_ballot = __ballot_sync(0xffffffffu, work == kWriteRow);
+  if (lane == 0 && warp < meta_warps) {
+    sh.counts[warp] = __popc(close_ballot);
+    sh.counts[kMaxWarps + warp] = __popc(row_ballot);
+  }
+  __syncthreads();
+  int n_close = 0, n_row = 0, at_close = 0, at_row = 0;
+  for (int wi = 0; wi < meta_warps; ++wi) {
+    const int nc = sh.counts[wi], nr = sh.counts[kMaxWarps + wi];
+    at_close += wi < warp ? nc : 0;
+    at_row += wi < warp ? nr : 0;
+    n_close += nc;
+    n_row += nr;
+  }
+  const unsigned below = (1u << lane) - 1u;
+  if (work == kClose) sh.list[at_close + __popc(close_ballot & below)] = x.tid;
+  if (work == kWriteRow) sh.list[chunk + at_row + __popc(row_ballot & below)] = x.tid;
+  __syncthreads();
+
+  // the first closing tokens' slots in flight before the row copies
+  if (pipe) {
+#pragma unroll
+    for (int k = 0; k < kStages; ++k) {
+      if (k < n_close) {
+        const Tok tk = chunk_token(a, sh, t0, chunk, sh.list[k]);
+        prefetch_entry(a, x, sh, tk, closed_window(a, tk), k);
+      } else {
+        cp_async_commit();
+      }
+    }
+  }
+  if (n_row > 0) write_rows(a, x, sh, t0, chunk, n_row);
+  int round = 0;
+  for (int k = 0; k < n_close; ++k)
+    process_closer<OutT, QUANT>(a, x, sh, cs, t0, chunk, k, n_close, pipe, ape, round);
+  if (pipe) cp_async_wait<0>();
+  if (x.K > 1 && n_close > 0) cluster_sync();  // no CTA exits while another may still read its shared memory
 }
 
-// CTAs per token: channel slices for windows of many slots (one HCA close reads c*m*d*8 bytes of state), as
-// long as a slice keeps whole FP8 blocks (FP4 rows need the whole row for the Hadamard transform).
-int pick_cluster(const CompressorArgs& a) {
-  if (const char* env = std::getenv("DSV4RT_COMPRESSOR_CLUSTER")) {  // tests and benchmarks: force a size
-    const int k = std::atoi(env);
-    if (k == 1 || k == 2 || k == 4 || k == 8) return k;
-  }
-  if (a.c * a.ratio < 32 || a.quant == kQuantFp4 || a.quant == kQuantFp4Sim) return 1;
-  const bool fp8 = a.quant == kQuantFp8 || a.quant == kQuantFp8Sim;
-  for (int k = 8; k > 1; k /= 2) {
+// ------------------------------------------------------------------ launch configuration (shapes only)
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return (v != nullptr && *v != '\0') ? std::atoi(v) : fallback;
+}
+
+int pow2_ceil(int64_t v) {
+  int p = 1;
+  while (p < v && p < (1 << 30)) p <<= 1;
+  return p;
+}
+
+struct Config {
+  int cluster, groups, chunk, threads, pipe;
+  size_t smem;
+  bool pdl;
+};
+
+template <int QUANT>
+Config pick_config(const CompressorArgs& a) {
+  constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
+  constexpr bool kFp8 = QUANT == kQuantFp8 || QUANT == kQuantFp8Sim;
+  const int n_pool = a.c * a.ratio;
+  // K: channel slices for windows of many slots (one HCA close reads 128 rows of state), as long as a slice keeps
+  // whole FP8 blocks (FP4 rows need the whole row for the Hadamard transform)
+  auto slice_ok = [&](int k) {
+    if (a.d % k != 0) return false;
     const int dk = a.d / k;
-    if (a.d % k == 0 && dk % 4 == 0 && (!fp8 || dk % kFp8Block == 0)) return k;
+    return dk % 4 == 0 && dk / 4 <= kMaxThreads && (!kFp8 || dk % kFp8Block == 0) && (!kFp4 || k == 1);
+  };
+  Config cfg;
+  cfg.cluster = 1;
+  if (n_pool >= 32) {
+    for (int k = 8; k > 1; k /= 2) {
+      if (slice_ok(k)) {
+        cfg.cluster = k;
+        break;
+      }
+    }
   }
-  return 1;
+  const int k_env = env_int("DSV4RT_COMPRESSOR_CLUSTER", 0);
+  if ((k_env == 1 || k_env == 2 || k_env == 4 || k_env == 8) && slice_ok(k_env)) cfg.cluster = k_env;
+  const int quads = a.d / cfg.cluster / 4;
+  // Two regimes (the defaults are the best of the sweep in tests/bench/test_bench_cache_write.py on an H200):
+  //   * small calls (decode: few tokens for the SMs): one load round an entry. G = m with overlap (two slots a
+  //     thread: the owner copies its overlap rows inside the pooling, see pool_fused), else kBatch slots a thread;
+  //     a CTA takes one token or a few (about half a wave of CTAs);
+  //   * large calls (prefill): up to 4 batches of kBatch slots a thread, at least 2 groups (small CTAs: several
+  //     an SM, whose entries' latency chains overlap), a few closing tokens a CTA.
+  const int g_max = kMaxThreads / quads;
+  const bool small = a.n_tokens * cfg.cluster <= 8 * static_cast<int64_t>(num_sms());
+  int g;
+  if (small) {
+    g = (a.c == 2 && a.ratio <= g_max) ? a.ratio : (n_pool + kBatch - 1) / kBatch;
+  } else {
+    g = (n_pool + 4 * kBatch - 1) / (4 * kBatch);
+    if (g < 2) g = n_pool < 2 ? n_pool : 2;
+  }
+  const int g_env = env_int("DSV4RT_COMPRESSOR_GROUPS", 0);
+  if (g_env > 0) g = g_env;
+  g = g < 1 ? 1 : (g > g_max ? g_max : (g > n_pool ? n_pool : g));
+  cfg.groups = g;
+  cfg.threads = (quads * g + 31) / 32 * 32;
+  // chunk: the tokens a CTA takes, so that the grid has about (threads an SM) * SMs threads
+  const int64_t per_sm = small ? 512 : 1024;
+  const int64_t sm_threads = static_cast<int64_t>(num_sms()) * per_sm;
+  const int64_t want = (a.n_tokens * cfg.cluster * cfg.threads + sm_threads - 1) / sm_threads;
+  int chunk = pow2_ceil(want);
+  const int c_env = env_int("DSV4RT_COMPRESSOR_CHUNK", 0);
+  if (c_env > 0) chunk = c_env;
+  cfg.chunk = chunk < 1 ? 1 : (chunk > cfg.threads ? cfg.threads : chunk);
+  // the pipeline: several closing tokens a CTA (a chunk longer than m), one batch of slots a thread
+  cfg.pipe = (cfg.chunk > a.ratio && n_pool <= kBatch * cfg.groups && env_int("DSV4RT_COMPRESSOR_PIPE", 1) != 0);
+  cfg.smem = smem_bytes(cfg.pipe, cfg.threads, cfg.groups, quads, cfg.chunk, had_floats(kFp4, quads));
+  cfg.pdl = env_int("DSV4RT_COMPRESSOR_PDL", 1) != 0;
+  return cfg;
 }
 
 template <typename OutT, int QUANT>
 cudaError_t launch_typed(CompressorArgs a, cudaStream_t stream) {
-  a.cluster = pick_cluster(a);
-  if ((QUANT == kQuantFp4 || QUANT == kQuantFp4Sim) && a.cluster != 1) a.cluster = 1;
-  if (QUANT == kQuantFp8 || QUANT == kQuantFp8Sim) {
-    while (a.cluster > 1 && (a.d / a.cluster) % kFp8Block != 0) a.cluster /= 2;
+  const Config cfg = pick_config<QUANT>(a);
+  a.cluster = cfg.cluster;
+  a.groups = cfg.groups;
+  a.chunk = cfg.chunk;
+  a.pipe = cfg.pipe;
+  auto kernel = compressor_update_kernel<OutT, QUANT>;
+  if (cfg.smem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cfg.smem));
+    if (err != cudaSuccess) return err;
   }
-  // clusters: 512 threads (one CTA an SM), else 256 (two); an odd number of items, so that closers (every m-th
-  // token) spread over all of them
-  const int threads = a.cluster > 1 ? 512 : 256, ctas_per_sm = a.cluster > 1 ? 1 : 2;
-  const int dk = a.d / a.cluster;
-  const size_t smem = sizeof(float) * smem_floats(dk, a.rope_dim, threads);
-  int64_t items = static_cast<int64_t>(num_sms()) * ctas_per_sm / a.cluster;
-  items -= (items % 2 == 0) ? 1 : 0;
-  if (items > a.n_tokens) items = a.n_tokens;
-  if (items < 1) items = 1;
-  return launch_clustered(compressor_update_kernel<OutT, QUANT>, static_cast<unsigned>(items * a.cluster),
-                          static_cast<unsigned>(threads), smem, stream, static_cast<unsigned>(a.cluster), a);
+  const int64_t n_chunks = (a.n_tokens + cfg.chunk - 1) / cfg.chunk;
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = dim3(static_cast<unsigned>(n_chunks * cfg.cluster));
+  lc.blockDim = dim3(static_cast<unsigned>(cfg.threads));
+  lc.dynamicSmemBytes = cfg.smem;
+  lc.stream = stream;
+  cudaLaunchAttribute attr[2];
+  int n_attr = 0;
+  if (cfg.cluster > 1) {
+    attr[n_attr].id = cudaLaunchAttributeClusterDimension;
+    attr[n_attr].val.clusterDim.x = static_cast<unsigned>(cfg.cluster);
+    attr[n_attr].val.clusterDim.y = 1;
+    attr[n_attr].val.clusterDim.z = 1;
+    ++n_attr;
+  }
+  if (cfg.pdl) {
+    attr[n_attr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n_attr].val.programmaticStreamSerializationAllowed = 1;
+    ++n_attr;
+  }
+  lc.attrs = attr;
+  lc.numAttrs = n_attr;
+  return cudaLaunchKernelEx(&lc, kernel, a);
 }
 
 template <typename OutT>

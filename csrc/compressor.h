@@ -36,7 +36,11 @@ struct CompressorArgs {
   int quant;  // Quant
   int dtype;  // DType of the entries (the activation dtype)
   float eps;
-  int cluster;  // set by the launcher: CTAs that share one token's work (channel slices)
+  // set by the launcher from the shapes (DSV4RT_COMPRESSOR_* environment variables override them):
+  int cluster;  // CTAs that share one chunk of tokens, each a slice of d / cluster channels
+  int groups;   // slot groups: threads that pool disjoint slots of the same 4 channels
+  int chunk;    // tokens per chunk (one chunk per cluster)
+  int pipe;     // closing tokens' slots staged in shared memory ahead of their turn
 };
 
 cudaError_t compressor_update_launch(const CompressorArgs& args, cudaStream_t stream);

@@ -8,9 +8,13 @@ Each benchmark captures REPEATS steps in one CUDA graph; the time per step is th
     <= 10 us for the three together); decode_close: the worst case, every request closes a CSA and an HCA window;
   * swa: the sliding-ring write of the same two steps.
 Run: python -m pytest tests/bench/test_bench_cache_write.py --benchmark-only -s
+With DSV4RT_BENCH_SWEEP=1, test_bench_compressor_sweep also times each compressor alone under a list of forced
+launch configurations (csrc/compressor.cu pick_config, through its DSV4RT_COMPRESSOR_* environment variables) and
+prints one table: the numbers that pick the defaults.
 """
 from __future__ import annotations
 
+import os
 import statistics
 
 import pytest
@@ -198,3 +202,71 @@ def test_bench_swa_cache_write(benchmark, copy_bandwidth, mode, fmt):
     args, meta = _swa_args(mode, fmt, g)
     graph = _capture([(swa_cache_write, args)], REPEATS[mode])
     _report(benchmark, graph, REPEATS[mode], meta["bytes"], copy_bandwidth, {"mode": mode, "kv_dtype": fmt})
+
+
+# (mode, compressor) -> forced configurations "K,G,chunk,pipe" (empty: the launcher's default)
+SWEEP = {
+    ("prefill", "csa_main"): [",,,", ",2,8,", ",2,16,", ",2,32,", ",2,16,0", ",4,16,"],
+    ("prefill", "csa_indexer"): [",,,", ",2,4,", ",2,8,", ",4,4,", ",1,4,"],
+    ("prefill", "hca"): [",,,", "8,8,128,", "8,16,64,", "8,4,64,", "4,8,64,", "8,32,256,"],
+    ("decode", "csa_main"): [",,,", ",2,1,"],
+    ("decode", "csa_indexer"): [",,,", ",2,1,"],
+    ("decode", "hca"): [",,,", "8,32,8,", "8,32,2,", "8,16,1,", "8,8,1,"],
+    ("decode_close", "hca"): [",,,", "8,32,8,", "8,16,1,", "8,32,1,"],
+}
+_KNOBS = ("CLUSTER", "GROUPS", "CHUNK", "PIPE")
+
+
+def _with_env(env: dict, fn):
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        for k, v in env.items():
+            if v:
+                os.environ[k] = v
+            else:
+                os.environ.pop(k, None)
+        return fn()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not os.environ.get("DSV4RT_BENCH_SWEEP"), reason="set DSV4RT_BENCH_SWEEP=1")
+def test_bench_compressor_sweep(benchmark, copy_bandwidth):
+    rows = []
+    for mode in ("prefill", "decode", "decode_close"):
+        g = torch.Generator().manual_seed(0)
+        step = _step_meta(mode, g)
+        for name in COMPRESSORS:
+            args, meta = _compressor_args(name, step, "fp8", g)
+            for cfg in SWEEP.get((mode, name), []):
+                env = {f"DSV4RT_COMPRESSOR_{k}": v for k, v in zip(_KNOBS, cfg.split(","))}
+                graph = _with_env(env, lambda: _capture([(compressor_update, args)], REPEATS[mode]))
+                us = _time_replay(graph) / REPEATS[mode] * 1e6
+                bw = meta["bytes"] / (us * 1e-6)
+                label = " ".join(f"{k}={v or '-'}" for k, v in zip(("K", "G", "chunk", "pipe"), cfg.split(",")))
+                rows.append((mode, name, label, us, bw))
+        # the three together, with and without programmatic dependent launch
+        calls = []
+        g = torch.Generator().manual_seed(0)
+        step = _step_meta(mode, g)
+        nbytes = 0
+        for name in COMPRESSORS:
+            args, meta = _compressor_args(name, step, "fp8", g)
+            calls.append((compressor_update, args))
+            nbytes += meta["bytes"]
+        for pdl in ("1", "0"):
+            graph = _with_env({"DSV4RT_COMPRESSOR_PDL": pdl}, lambda: _capture(calls, REPEATS[mode]))
+            us = _time_replay(graph) / REPEATS[mode] * 1e6
+            rows.append((mode, "all three", f"pdl={pdl}", us, nbytes / (us * 1e-6)))
+    print(f"\ncompressor sweep on {torch.cuda.get_device_name()}, kv_dtype fp8, copy {copy_bandwidth / 1e9:.0f} GB/s")
+    print(f"{'mode':<13} {'compressor':<12} {'config':<30} {'us':>8} {'GB/s':>7} {'of copy':>7}")
+    for mode, name, cfg, us, bw in rows:
+        print(f"{mode:<13} {name:<12} {cfg:<30} {us:8.2f} {bw / 1e9:7.0f} {bw / copy_bandwidth:7.0%}")
+    benchmark.extra_info.update(device=torch.cuda.get_device_name(),
+                                sweep=[dict(mode=r[0], compressor=r[1], config=r[2], us=r[3]) for r in rows])
+    benchmark.pedantic(lambda: torch.cuda.synchronize(), rounds=1)
