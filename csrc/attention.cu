@@ -1,0 +1,947 @@
+// Sparse MQA attention family (ops/attention.py): every head of a query attends, with its sink in the softmax
+// denominator, over one shared K = V head: the query's sliding rows and its compressed entries.
+//
+// Keys of token t (position p, request slot r, chunk start s) are numbered by a "slot" in [0, W + E):
+//   slot i < W        sliding row of position x = p - i (i < min(p + 1, W)): this step's kv row t - i when
+//                     x >= s, else ring row (r, x mod W);
+//   slot W + e        CSA: entry_idx[t, e] (-1 or not yet visible: no key); HCA: entry e while e < (p+1) / ratio;
+//                     entry j is row (block_table[r, j / E], j mod E) of the pool.
+// Rows are read straight from the caches in their storage format (FP8 rows dequantised here).
+//
+// Tensor-core path (q bf16, caches bf16 or FP8 rows, D in {128, 512}): one CTA per (token, group of 16 or 64 heads,
+// key split); the heads are the M dimension (MQA: all heads share the keys). Per tile of 64 key slots: the raw rows
+// land in a staging tile by cp.async while the previous tile is computed (the gathers' indices are loaded two tiles
+// ahead), then are dequantised into a swizzled fp16 tile. Warp (m, h) owns 16 heads and one half of D (for 64 heads:
+// warpgroup h): S = Q K^T over its half, the pair's halves summed through shared memory (both warps then hold the
+// same S), fp32 online softmax in registers, P times V = K for its half of the output columns. 64-head groups of
+// D = 512 use wgmma on sm_90a, the rest mma.sync m16n8k16.
+// Operands are fp16: bf16 and FP8 values convert exactly (in fp16's range, |x| <= 65504, which RMS-normed q and
+// kv rows hold), so S is exact up to fp32 summation order, and P rounds to 11 bits, not bf16's 8.
+// Splits (a function of the shapes only) write partial (max, sum, acc) rows to a workspace; a second kernel combines
+// them with the sink.
+// Any other dtype or shape runs the generic path: one CTA per (token, head), fp32 dot products, four warps each
+// with its own online softmax, combined at the end.
+#include <cstdlib>
+#include <cstring>
+
+#include "attention.h"
+#include "kv_quant.cuh"
+#include "launch.cuh"
+
+namespace dsv4rt {
+namespace {
+
+constexpr int kNT = 64;  // key slots per tile
+constexpr int kMaxSplits = 256;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -__builtin_huge_valf();
+
+// Kind of a resolved key row: 0 = no key, else AttnFmt + 1.
+constexpr int kKindNone = 0, kKindF32 = kAttnF32 + 1, kKindBf16 = kAttnBf16 + 1, kKindF16 = kAttnF16 + 1,
+              kKindFp8 = kAttnFp8 + 1;
+
+__host__ __device__ __forceinline__ int elem_bytes(int dtype) { return dtype == kAttnF32 ? 4 : 2; }
+
+// ------------------------------------------------------------------------------------------ key resolution
+struct TokenCtx {
+  int64_t t;
+  int r;         // request slot, -1: no keys (padding)
+  int p, s0;     // position, first position of the request in this step
+  int n_swa;     // sliding keys: slots [0, n_swa)
+  int n_vis;     // visible entries: j < n_vis
+  int end_slot;  // slots >= end_slot hold no key
+};
+
+__device__ __forceinline__ TokenCtx token_ctx(const SparseAttnArgs& a, int64_t t) {
+  TokenCtx c;
+  c.t = t;
+  c.r = a.req_slot[t];
+  c.p = a.positions[t];
+  c.s0 = a.start_pos[t];
+  c.n_swa = c.n_vis = c.end_slot = 0;
+  if (c.r < 0 || c.r >= a.n_slots || c.p < 0) {  // PAD_SLOT: the reference's keys are all invisible (output 0)
+    c.r = -1;
+    return c;
+  }
+  c.n_swa = c.p + 1 < a.window ? c.p + 1 : a.window;
+  c.end_slot = c.n_swa;
+  if (a.entry_cache != nullptr && c.r < a.bt_rows) {
+    c.n_vis = (c.p + 1) / a.ratio;
+    const int64_t cap = a.bt_cols * a.per_block;
+    int64_t n_ent = a.entry_idx != nullptr ? (c.n_vis > 0 ? a.topk : 0) : (c.n_vis < cap ? c.n_vis : cap);
+    if (n_ent > 0) c.end_slot = a.window + static_cast<int>(n_ent);
+  }
+  return c;
+}
+
+// Entry number of an entry slot (CSA: the index list's value), -1 for no key. Not loaded when !live.
+__device__ __forceinline__ int load_j(const SparseAttnArgs& a, const TokenCtx& c, int slot, bool live) {
+  if (!live || slot < a.window || slot >= c.end_slot) return -1;
+  const int e = slot - a.window;
+  if (a.entry_idx == nullptr) return e;
+  return __ldg(a.entry_idx + c.t * a.idx_stride + e);
+}
+
+// Pool block of entry j (clamped into the pool), -1 for no key.
+__device__ __forceinline__ int load_blk(const SparseAttnArgs& a, const TokenCtx& c, int slot, int j) {
+  if (slot < a.window || j < 0 || j >= c.n_vis) return -1;
+  const int64_t cap = a.bt_cols * a.per_block;
+  const int64_t jc = j < cap ? j : cap - 1;  // as the reference's clamp
+  const int b = __ldg(a.block_table + c.r * a.bt_stride + jc / a.per_block);
+  return b < 0 ? 0 : (b >= a.n_blocks ? static_cast<int>(a.n_blocks - 1) : b);
+}
+
+struct Src {
+  const uint8_t* ptr;
+  int kind;
+};
+
+__device__ __forceinline__ Src resolve(const SparseAttnArgs& a, const TokenCtx& c, int slot, int j, int blk) {
+  Src s{nullptr, kKindNone};
+  if (slot < a.window) {
+    if (slot >= c.n_swa) return s;
+    const int x = c.p - slot;
+    if (x >= c.s0) {  // this step's row
+      const int64_t tt = c.t - slot;
+      if (tt < 0) return s;
+      s.ptr = static_cast<const uint8_t*>(a.kv) + tt * a.kv_stride * elem_bytes(a.dtype);
+      s.kind = a.dtype + 1;
+    } else {
+      s.ptr = static_cast<const uint8_t*>(a.swa_cache) +
+              (static_cast<int64_t>(c.r) * a.window + x % a.window) * a.swa_row_bytes;
+      s.kind = a.swa_fmt + 1;
+    }
+    return s;
+  }
+  if (blk < 0) return s;
+  const int64_t cap = a.bt_cols * a.per_block;
+  const int64_t jc = j < cap ? j : cap - 1;
+  s.ptr = static_cast<const uint8_t*>(a.entry_cache) +
+          (static_cast<int64_t>(blk) * a.per_block + jc % a.per_block) * a.ent_row_bytes;
+  s.kind = a.ent_fmt + 1;
+  return s;
+}
+
+// First tile >= x (below te) that may hold a key: it meets [0, n_swa) or [W, end_slot).
+__device__ __forceinline__ int next_tile(const SparseAttnArgs& a, const TokenCtx& c, int x, int te) {
+  for (; x < te; ++x) {
+    const int lo = x * kNT;
+    if (lo < c.n_swa) return x;
+    if (lo >= c.end_slot) return te;
+    if (lo + kNT > a.window) return x;
+  }
+  return te;
+}
+
+// 2^(byte - 127), the FP8 block scale (byte 0: the denormal 2^-127, as torch.exp2 gives).
+__device__ __forceinline__ float scale_from_byte(uint32_t b) {
+  return b ? __uint_as_float(b << 23) : __uint_as_float(0x00400000u);
+}
+
+// ------------------------------------------------------------------------------------------ PTX helpers
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;  // 0: zero-fill
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+
+__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c += a * b, m16n8k16, fp16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: 2^-inf = +0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t pack_half(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// 8 bf16 as 8 fp16 (exact in fp16's normal range: 8 significant bits fit in 11).
+__device__ __forceinline__ uint4 bf16x8_to_half8(uint4 v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[i] = pack_half(__uint_as_float(w[i] << 16), __uint_as_float(w[i] & 0xFFFF0000u));
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// 8 FP8 e4m3 codes times a power-of-two scale (given as fp16 2^k), as 8 fp16: exact while the products stay in fp16's
+// normal range (4 significant bits; scales of real rows are >= 2^-22, the 1e-4 amax floor over 448).
+__device__ __forceinline__ uint4 fp8x8_to_half8(uint2 raw, __half2 sc) {
+  uint32_t o[4];
+  const uint32_t w[2] = {raw.x, raw.y};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>((w[i >> 1] >> (16 * (i & 1))) & 0xFFFFu);
+    const __half2 v = __hmul2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)), sc);
+    o[i] = *reinterpret_cast<const uint32_t*>(&v);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// ---- wgmma (sm_90a): shared-memory matrix descriptors, 128-byte swizzle; tiles are 1024-byte aligned atoms
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
+}
+
+// The wgmma kernel runs on sm_90a only (the host picks it for compute capability 9.0); other targets compile a trap.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DSV4RT_WGMMA(...) asm volatile(__VA_ARGS__)
+#else
+#define DSV4RT_WGMMA(...) __trap()
+#endif
+
+__device__ __forceinline__ void wgmma_fence() { DSV4RT_WGMMA("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { DSV4RT_WGMMA("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { DSV4RT_WGMMA("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Orders uses of an accumulator after the wait (the registers are written asynchronously).
+__device__ __forceinline__ void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// d (+)= A B^T, m64n64k16: A (64 rows) and B (64 rows) K-major in shared memory, 128-byte swizzle.
+__device__ __forceinline__ void wgmma_ss_m64n64(float (&d)[8][4], uint64_t da, uint64_t db, int accumulate) {
+  DSV4RT_WGMMA(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// d += A B, m64n256k16: A in registers (the mma.sync A fragment per warp), B N-major in shared memory.
+__device__ __forceinline__ void wgmma_rs_m64n256_tb(float (&d)[32][4], const uint32_t (&a)[4], uint64_t db) {
+  DSV4RT_WGMMA(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+        "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+        "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]),
+        "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]),
+        "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]),
+        "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]),
+        "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]),
+        "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]),
+        "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]),
+        "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]),
+        "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]),
+        "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]),
+        "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]),
+        "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]),
+        "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]),
+        "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]),
+        "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]),
+        "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]),
+        "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+// ------------------------------------------------------------------------------------------ tensor-core path
+template <int D, int MT>
+struct MmaCfg {
+  static constexpr int kWarps = 2 * MT;          // MT head tiles x 2 halves of D (MT = 4: two warpgroups)
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kRows = 16 * MT;          // heads per CTA
+  static constexpr int kDh = D / 2;              // output columns (and S partial dims) per warp
+  static constexpr int kNTiles = kDh / 8;        // output n8 tiles per warp
+  static constexpr int kRowBytes = 2 * D;        // an fp16 row; a staging slot (a bf16 or FP8 row fits)
+  static constexpr int kChunks = D / 8;          // 16-byte chunks per fp16 row
+  static constexpr int kTpk = kThreads / kNT;    // loader threads per key
+  static constexpr int kQOff = 0;                // Q [D/64][kRows][128 B] fp16, swizzled
+  static constexpr int kKOff = kQOff + kRows * kRowBytes;     // K tile [D/64][kNT][128 B] fp16, swizzled
+  static constexpr int kStageOff = kKOff + kNT * kRowBytes;   // raw rows of the next tile
+  static constexpr int kXsOff = kStageOff + kNT * kRowBytes;  // S halves exchanged by warp pairs
+  static constexpr int kKindOff = kXsOff + kWarps * 32 * 32 * 4;
+  static constexpr int kSmem = kKindOff + 2 * kNT + 1024;     // + alignment of the base to 1024 bytes
+  static_assert(kThreads % kNT == 0 && D % 64 == 0, "tile shape");
+};
+
+// Byte offset of 16-byte chunk c (dims 8c..8c+7) of row `row` in a tile of ROWS rows: atoms of 64 dims, each
+// [ROWS][128 B] with the chunks of a row xor-ed by row mod 8 (the wgmma 128-byte swizzle; conflict-free ldmatrix).
+template <int ROWS>
+__device__ __forceinline__ uint32_t swz(int row, int c) {
+  return static_cast<uint32_t>((c >> 3) * (ROWS * 128) + row * 128 + (((c & 7) ^ (row & 7)) << 4));
+}
+
+// This thread's share of one key row: the raw row (bf16 values or the FP8 layout) to its staging slot.
+template <int D, int MT>
+__device__ __forceinline__ void issue_key(const Src& src, uint32_t stage, uint8_t* kinds, int key, int sub,
+                                          int fp8_chunks) {
+  using C = MmaCfg<D, MT>;
+  if (sub == 0) kinds[key] = static_cast<uint8_t>(src.kind);
+  const uint32_t row = stage + key * C::kRowBytes;
+  if (src.kind == kKindBf16) {
+    for (int c = sub; c < C::kChunks; c += C::kTpk) cp_async16(row + c * 16, src.ptr + c * 16, true);
+  } else if (src.kind == kKindFp8) {
+    for (int c = sub; c < fp8_chunks; c += C::kTpk) cp_async8(row + c * 8, src.ptr + c * 8);
+  }
+}
+
+// Staging tile (raw rows) -> swizzled fp16 K tile; absent keys become zero rows.
+template <int D, int MT>
+__device__ __forceinline__ void convert_tile(const uint8_t* stage, uint8_t* kdst, const uint8_t* kinds, int nope,
+                                             int exp_off, int tid) {
+  using C = MmaCfg<D, MT>;
+  for (int idx = tid; idx < kNT * C::kChunks; idx += C::kThreads) {
+    const int key = idx / C::kChunks, c = idx % C::kChunks;
+    const uint8_t* row = stage + key * C::kRowBytes;
+    const int kind = kinds[key];
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (kind == kKindBf16) {
+      v = bf16x8_to_half8(*reinterpret_cast<const uint4*>(row + c * 16));
+    } else if (kind == kKindFp8) {
+      const int d0 = c * 8;
+      if (d0 < nope) {
+        const __half sc = __float2half_rn(scale_from_byte(row[exp_off + d0 / kFp8Block]));
+        v = fp8x8_to_half8(*reinterpret_cast<const uint2*>(row + d0), __half2(sc, sc));
+      } else {
+        v = bf16x8_to_half8(*reinterpret_cast<const uint4*>(row + nope + 2 * (d0 - nope)));
+      }
+    }
+    *reinterpret_cast<uint4*>(kdst + swz<kNT>(key, c)) = v;
+  }
+}
+
+// The warp pair's halves of S summed (both warps form the same sum: fp32 addition commutes), absent keys masked,
+// scaled to log2 units; online softmax over rows g and g + 8 of the warp's 16 heads; returns P in s and rescales acc.
+template <int NTILES>
+__device__ __forceinline__ void softmax_tile(float (&s)[8][4], float (&acc)[NTILES][4], float* xs, const uint8_t* kinds,
+                                             float& m0, float& m1, float& l0, float& l1, float sc2, int warp,
+                                             int partner, int bar_id, int lane) {
+  const int tig = lane & 3;
+  float* mine = xs + warp * 1024;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) mine[(j * 4 + e) * 32 + lane] = s[j][e];
+  bar_sync(bar_id, 64);
+  const float* other = xs + partner * 1024;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] += other[(j * 4 + e) * 32 + lane];
+
+  const uint32_t vlo = __ballot_sync(0xffffffffu, kinds[lane] != 0);
+  const uint32_t vhi = __ballot_sync(0xffffffffu, kinds[lane + 32] != 0);
+  float mx0 = kNegInf, mx1 = kNegInf;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t vm = j < 4 ? vlo : vhi;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const bool ok = (vm >> (((8 * j) & 31) + 2 * tig + e)) & 1u;
+      s[j][e] = ok ? s[j][e] * sc2 : kNegInf;
+      s[j][2 + e] = ok ? s[j][2 + e] * sc2 : kNegInf;
+      mx0 = fmaxf(mx0, s[j][e]);
+      mx1 = fmaxf(mx1, s[j][2 + e]);
+    }
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+  const float mu0 = mn0 == kNegInf ? 0.0f : mn0, mu1 = mn1 == kNegInf ? 0.0f : mn1;  // no key yet: all p = 0
+  const float al0 = fast_exp2(m0 - mu0), al1 = fast_exp2(m1 - mu1);
+  m0 = mn0;
+  m1 = mn1;
+  float rs0 = 0.0f, rs1 = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      s[j][e] = fast_exp2(s[j][e] - mu0);
+      s[j][2 + e] = fast_exp2(s[j][2 + e] - mu1);
+      rs0 += s[j][e];
+      rs1 += s[j][2 + e];
+    }
+  }
+  l0 = l0 * al0 + rs0;
+  l1 = l1 * al1 + rs1;
+#pragma unroll
+  for (int n = 0; n < NTILES; ++n) {
+    acc[n][0] *= al0;
+    acc[n][1] *= al0;
+    acc[n][2] *= al1;
+    acc[n][3] *= al1;
+  }
+}
+
+// P (rows g, g + 8; keys 16 kk ..) as the A fragment of a k16 step.
+__device__ __forceinline__ void p_fragment(const float (&s)[8][4], int kk, uint32_t (&pa)[4]) {
+  pa[0] = pack_half(s[2 * kk][0], s[2 * kk][1]);
+  pa[1] = pack_half(s[2 * kk][2], s[2 * kk][3]);
+  pa[2] = pack_half(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  pa[3] = pack_half(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+// One tile, mma.sync: S = Q K^T over this warp's half of D, softmax, acc += P V over its half of the columns.
+template <int D, int MT>
+__device__ __forceinline__ void compute_tile(uint32_t q_s, uint32_t k_s, const uint8_t* kinds, float* xs,
+                                             float (&acc)[MmaCfg<D, MT>::kNTiles][4], float& m0, float& m1,
+                                             float& l0, float& l1, float sc2, int warp, int lane) {
+  using C = MmaCfg<D, MT>;
+  const int mt = warp % MT, dh = warp / MT;
+  float s[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+  for (int ks = 0; ks < C::kDh / 16; ++ks) {
+    const int kc = (dh * C::kDh + ks * 16) >> 3;
+    uint32_t qa[4];
+    ldsm_x4(qa, q_s + swz<C::kRows>(mt * 16 + (lane & 7) + (lane & 8), kc + (lane >> 4)));
+#pragma unroll
+    for (int jp = 0; jp < 4; ++jp) {
+      uint32_t kb[4];
+      ldsm_x4(kb, k_s + swz<kNT>(jp * 16 + (lane & 7) + ((lane >> 4) << 3), kc + ((lane >> 3) & 1)));
+      mma_f16(s[2 * jp], qa, kb[0], kb[1]);
+      mma_f16(s[2 * jp + 1], qa, kb[2], kb[3]);
+    }
+  }
+  softmax_tile<C::kNTiles>(s, acc, xs, kinds, m0, m1, l0, l1, sc2, warp, dh ? warp - MT : warp + MT, 1 + mt, lane);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    uint32_t pa[4];
+    p_fragment(s, kk, pa);
+    const int key = kk * 16 + (lane & 7) + (lane & 8);
+#pragma unroll
+    for (int np = 0; np < C::kNTiles / 2; ++np) {
+      uint32_t vb[4];
+      ldsm_x4_trans(vb, k_s + swz<kNT>(key, ((dh * C::kDh + np * 16) >> 3) + (lane >> 4)));
+      mma_f16(acc[2 * np], pa, vb[0], vb[1]);
+      mma_f16(acc[2 * np + 1], pa, vb[2], vb[3]);
+    }
+  }
+}
+
+// One tile, wgmma (D = 512, 64 heads): warpgroup h computes S over its 256 dims (16 x m64n64k16, both operands
+// K-major in shared memory: leading offset unused, 1024 bytes between 8-row groups, +32 bytes a k16 step), the
+// halves are summed as above, then acc += P V over its 256 columns (4 x m64n256k16, P from registers, V = the K tile
+// read N-major: 8 KiB between the 64-dim atoms, 1024 bytes between groups of 8 keys).
+__device__ __forceinline__ void compute_tile_wg(uint32_t q_s, uint32_t k_s, const uint8_t* kinds, float* xs,
+                                                float (&acc)[32][4], float& m0, float& m1, float& l0, float& l1,
+                                                float sc2, int warp, int lane) {
+  constexpr int kAtomQ = 64 * 128, kAtomK = kNT * 128;  // bytes of one 64-dim atom of Q / of the K tile
+  const int mt = warp & 3, dh = warp >> 2;
+  float s[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 16; ++ks) {
+    const int atom = dh * 4 + (ks >> 2), kin = (ks & 3) * 32;
+    wgmma_ss_m64n64(s, smem_desc(q_s + atom * kAtomQ + kin, 16, 1024), smem_desc(k_s + atom * kAtomK + kin, 16, 1024),
+                    ks > 0);
+  }
+  wgmma_commit();
+  wgmma_wait_all();
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) fence_reg(s[j][e]);
+  softmax_tile<32>(s, acc, xs, kinds, m0, m1, l0, l1, sc2, warp, warp ^ 4, 1 + mt, lane);
+  uint32_t pa[4][4];
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) p_fragment(s, kk, pa[kk]);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+    wgmma_rs_m64n256_tb(acc, pa[kk], smem_desc(k_s + dh * 4 * kAtomK + kk * 16 * 128, kAtomK, 1024));
+  wgmma_commit();
+  wgmma_wait_all();
+#pragma unroll
+  for (int n = 0; n < 32; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) fence_reg(acc[n][e]);
+}
+
+template <int D, int MT, bool WG>
+__global__ void __launch_bounds__(64 * MT, 1) sparse_attn_mma_kernel(const SparseAttnArgs a, int max_tiles) {
+  using C = MmaCfg<D, MT>;
+  static_assert(!WG || (D == 512 && MT == 4), "the wgmma path is for 64 heads of D = 512");
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int n_hg = (a.heads + C::kRows - 1) / C::kRows;
+  const int64_t t = blockIdx.x / n_hg;
+  const int hg = static_cast<int>(blockIdx.x % n_hg);
+  const int split = blockIdx.y, n_splits = gridDim.y;
+  const TokenCtx ctx = token_ctx(a, t);
+  const int tps = (max_tiles + n_splits - 1) / n_splits;
+  const int tb = split * tps;
+  const int n_tiles = (ctx.end_slot + kNT - 1) / kNT;
+  const int te = tb + tps < n_tiles ? tb + tps : n_tiles;
+  const int key = tid / C::kTpk, sub = tid % C::kTpk;
+  const int nope = D - a.rope_dim, exp_off = nope + 2 * a.rope_dim;
+  const int fp8_chunks = (exp_off + nope / kFp8Block + 7) / 8;
+  uint8_t* kinds = smem + C::kKindOff;
+  float* xs = reinterpret_cast<float*>(smem + C::kXsOff);
+  const uint32_t q_s = smem_u32(smem + C::kQOff), k_s = smem_u32(smem + C::kKOff);
+  const uint32_t stage = smem_u32(smem + C::kStageOff);
+
+  float acc[C::kNTiles][4];
+#pragma unroll
+  for (int n = 0; n < C::kNTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  float m0 = kNegInf, m1 = kNegInf, l0 = 0.0f, l1 = 0.0f;
+  const float sc2 = a.scale * kLog2e;
+
+  int cur = next_tile(a, ctx, tb, te);
+  if (cur < te) {
+    {
+      const int slot = cur * kNT + key;
+      const int j = load_j(a, ctx, slot, true);
+      issue_key<D, MT>(resolve(a, ctx, slot, j, load_blk(a, ctx, slot, j)), stage, kinds, key, sub, fp8_chunks);
+      cp_async_commit();
+    }
+    {  // Q rows of the head group as fp16 (rows past H: zeros)
+      const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(a.q);
+      uint8_t* qd = smem + C::kQOff;
+      for (int idx = tid; idx < C::kRows * C::kChunks; idx += C::kThreads) {
+        const int row = idx / C::kChunks, c = idx % C::kChunks;
+        const int h = hg * C::kRows + row;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (h < a.heads)
+          v = bf16x8_to_half8(*reinterpret_cast<const uint4*>(qb + t * a.q_stride_t +
+                                                              static_cast<int64_t>(h) * a.q_stride_h + c * 8));
+        *reinterpret_cast<uint4*>(qd + swz<C::kRows>(row, c)) = v;
+      }
+    }
+    // gather indices ahead: block ids of the next tile, list entries of the one after
+    int n1 = next_tile(a, ctx, cur + 1, te);
+    int j1 = load_j(a, ctx, n1 * kNT + key, n1 < te);
+    int b1 = load_blk(a, ctx, n1 * kNT + key, j1);
+    int n2 = next_tile(a, ctx, n1 + 1, te);
+    int j2 = load_j(a, ctx, n2 * kNT + key, n2 < te);
+    int n3 = next_tile(a, ctx, n2 + 1, te);
+    for (int it = 0; cur < te; ++it) {
+      const int par = it & 1;
+      cp_async_wait_all();
+      __syncthreads();  // tile `cur` is staged (and Q stored); every warp is done with the previous tile
+      convert_tile<D, MT>(smem + C::kStageOff, smem + C::kKOff, kinds + par * kNT, nope, exp_off, tid);
+      if (WG) fence_async_smem();  // the tensor cores read Q and K through the async proxy
+      __syncthreads();  // the K tile is complete; the staging tile is free
+      if (n1 < te) {
+        issue_key<D, MT>(resolve(a, ctx, n1 * kNT + key, j1, b1), stage, kinds + (par ^ 1) * kNT, key, sub,
+                         fp8_chunks);
+        cp_async_commit();
+      }
+      const int b2 = load_blk(a, ctx, n2 * kNT + key, j2);
+      const int j3 = load_j(a, ctx, n3 * kNT + key, n3 < te);
+      if constexpr (WG) {
+        compute_tile_wg(q_s, k_s, kinds + par * kNT, xs, acc, m0, m1, l0, l1, sc2, warp, lane);
+      } else {
+        compute_tile<D, MT>(q_s, k_s, kinds + par * kNT, xs, acc, m0, m1, l0, l1, sc2, warp, lane);
+      }
+      cur = n1;
+      n1 = n2;
+      j1 = j2;
+      b1 = b2;
+      n2 = n3;
+      j2 = j3;
+      n3 = next_tile(a, ctx, n3 + 1, te);
+    }
+  }
+
+  // row sums over the quad; finish with the sink, or write the split's partial rows
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  const int mt = warp % MT, dh = warp / MT, g = lane >> 2, tig = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int h = hg * C::kRows + mt * 16 + g + 8 * r;
+    if (h >= a.heads) continue;
+    const float m = r ? m1 : m0, l = r ? l1 : l0;
+    const int col = dh * C::kDh + 2 * tig;
+    if (n_splits == 1) {
+      const float sink2 = a.sinks[h] * kLog2e;
+      const float mm = fmaxf(m, sink2);
+      const float f = exp2f(m - mm);
+      const float inv = f / (l * f + exp2f(sink2 - mm));
+      __nv_bfloat16* o = static_cast<__nv_bfloat16*>(a.out) + (t * a.heads + h) * D + col;
+#pragma unroll
+      for (int n = 0; n < C::kNTiles; ++n)
+        *reinterpret_cast<__nv_bfloat162*>(o + n * 8) = __floats2bfloat162_rn(acc[n][2 * r] * inv,
+                                                                               acc[n][2 * r + 1] * inv);
+    } else {
+      const int64_t row = (t * n_splits + split) * a.heads + h;
+      float* ml = a.workspace + a.n_tokens * n_splits * a.heads * D;
+      if (dh == 0 && tig == 0) {
+        ml[2 * row] = m;
+        ml[2 * row + 1] = l;
+      }
+      if (m != kNegInf) {  // a split without keys leaves its acc row unwritten: the combine skips it
+        float* w = a.workspace + row * D + col;
+#pragma unroll
+        for (int n = 0; n < C::kNTiles; ++n)
+          *reinterpret_cast<float2*>(w + n * 8) = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
+      }
+    }
+  }
+}
+
+// Split partials -> output: o = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)). Block (row, chunk
+// of 128 columns): warp 0 lists the splits with keys and their weights; each of the 4 warps sums a quarter of them
+// (a float4 a lane, 8 loads in flight), and the quarters are added in a fixed order (deterministic).
+constexpr int kCombineWarps = 4;
+template <typename T>
+__global__ void __launch_bounds__(32 * kCombineWarps) sparse_attn_combine_kernel(const SparseAttnArgs a) {
+  __shared__ float w_s[kMaxSplits];
+  __shared__ int live_s[kMaxSplits];
+  __shared__ int n_live_s;
+  __shared__ float inv_den_s;
+  __shared__ float4 part_s[kCombineWarps][32];
+  const int64_t t = blockIdx.x / a.heads;
+  const int h = static_cast<int>(blockIdx.x % a.heads);
+  const int ns = a.n_splits, dim = a.dim, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float* ml = a.workspace + a.n_tokens * ns * a.heads * dim;
+  const int64_t row0 = t * ns * a.heads + h;  // split s: row0 + s * heads
+  if (warp == 0) {
+    const float sink2 = a.sinks[h] * kLog2e;
+    float mm = sink2;
+    for (int s = lane; s < ns; s += 32) mm = fmaxf(mm, ml[2 * (row0 + s * a.heads)]);
+    mm = warp_max(mm);
+    float den = 0.0f;
+    int n_live = 0;
+    for (int s0 = 0; s0 < ns; s0 += 32) {
+      const int s = s0 + lane;
+      float w = 0.0f, l = 0.0f;
+      if (s < ns) {
+        w = exp2f(ml[2 * (row0 + s * a.heads)] - mm);  // a split without keys: 2^-inf = 0
+        l = ml[2 * (row0 + s * a.heads) + 1];
+      }
+      den += w * l;
+      const unsigned live = __ballot_sync(0xffffffffu, w != 0.0f);
+      if (w != 0.0f) {
+        const int at = n_live + __popc(live & ((1u << lane) - 1u));
+        w_s[at] = w;
+        live_s[at] = s;
+      }
+      n_live += __popc(live);
+    }
+    den = warp_sum(den) + exp2f(sink2 - mm);
+    if (lane == 0) {
+      n_live_s = n_live;
+      inv_den_s = 1.0f / den;
+    }
+  }
+  __syncthreads();
+  const int n_live = n_live_s;
+  const int d = blockIdx.y * 128 + lane * 4;
+  const bool in = d < dim;
+  float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  constexpr int kU = 8;
+  for (int i = warp * kU; i < n_live; i += kCombineWarps * kU) {
+    float4 v[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      v[u] = in && i + u < n_live
+                 ? *reinterpret_cast<const float4*>(a.workspace + (row0 + live_s[i + u] * a.heads) * dim + d)
+                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const float w = i + u < n_live ? w_s[i + u] : 0.0f;
+      o.x = fmaf(w, v[u].x, o.x);
+      o.y = fmaf(w, v[u].y, o.y);
+      o.z = fmaf(w, v[u].z, o.z);
+      o.w = fmaf(w, v[u].w, o.w);
+    }
+  }
+  part_s[warp][lane] = o;
+  __syncthreads();
+  if (warp != 0 || !in) return;
+  for (int w = 1; w < kCombineWarps; ++w) {
+    const float4 p = part_s[w][lane];
+    o.x += p.x;
+    o.y += p.y;
+    o.z += p.z;
+    o.w += p.w;
+  }
+  const float inv_den = inv_den_s;
+  T* out = static_cast<T*>(a.out) + (t * a.heads + h) * dim + d;
+  out[0] = Num<T>::store(o.x * inv_den);
+  out[1] = Num<T>::store(o.y * inv_den);
+  out[2] = Num<T>::store(o.z * inv_den);
+  out[3] = Num<T>::store(o.w * inv_den);
+}
+
+// ------------------------------------------------------------------------------------------ generic path
+constexpr int kGenWarps = 4;
+constexpr int kGenPer = 32;  // D / 32 values a lane: D <= 1024
+
+__device__ __forceinline__ float key_elem(const uint8_t* row, int kind, int d, int nope, int exp_off) {
+  switch (kind) {
+    case kKindF32: return reinterpret_cast<const float*>(row)[d];
+    case kKindBf16: return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(row)[d]);
+    case kKindF16: return __half2float(reinterpret_cast<const __half*>(row)[d]);
+    default:
+      if (d < nope) return fp8_decode(row[d]) * scale_from_byte(row[exp_off + d / kFp8Block]);
+      return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(row + nope)[d - nope]);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(32 * kGenWarps) sparse_attn_generic_kernel(const SparseAttnArgs a) {
+  extern __shared__ float gsm[];  // acc [warps][D], max [warps], sum [warps]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t t = blockIdx.x / a.heads;
+  const int h = static_cast<int>(blockIdx.x % a.heads);
+  const int dim = a.dim, per = dim / 32;
+  const int nope = dim - a.rope_dim, exp_off = nope + 2 * a.rope_dim;
+  const TokenCtx c = token_ctx(a, t);
+  const T* qrow = static_cast<const T*>(a.q) + t * a.q_stride_t + static_cast<int64_t>(h) * a.q_stride_h;
+  float qv[kGenPer], acc[kGenPer];
+#pragma unroll
+  for (int i = 0; i < kGenPer; ++i) {
+    qv[i] = i < per ? Num<T>::load(qrow[lane + 32 * i]) : 0.0f;
+    acc[i] = 0.0f;
+  }
+  float m = kNegInf, l = 0.0f;
+  const int n_keys = c.n_swa + (c.end_slot > a.window ? c.end_slot - a.window : 0);
+  for (int i = warp; i < n_keys; i += kGenWarps) {
+    const int slot = i < c.n_swa ? i : a.window + (i - c.n_swa);
+    const int j = load_j(a, c, slot, true);
+    const Src src = resolve(a, c, slot, j, load_blk(a, c, slot, j));
+    if (src.kind == kKindNone) continue;
+    float kv[kGenPer];
+    float dot = 0.0f;
+#pragma unroll
+    for (int ii = 0; ii < kGenPer; ++ii) {
+      kv[ii] = ii < per ? key_elem(src.ptr, src.kind, lane + 32 * ii, nope, exp_off) : 0.0f;
+      dot = fmaf(qv[ii], kv[ii], dot);
+    }
+    const float x = warp_sum(dot) * a.scale;
+    const float mn = fmaxf(m, x);
+    const float alpha = expf(m - mn), p = expf(x - mn);
+    l = l * alpha + p;
+#pragma unroll
+    for (int ii = 0; ii < kGenPer; ++ii) acc[ii] = fmaf(p, kv[ii], acc[ii] * alpha);
+    m = mn;
+  }
+  float* accs = gsm;
+  float* ms = gsm + kGenWarps * dim;
+  float* ls = ms + kGenWarps;
+#pragma unroll
+  for (int ii = 0; ii < kGenPer; ++ii)
+    if (ii < per) accs[warp * dim + lane + 32 * ii] = acc[ii];
+  if (lane == 0) {
+    ms[warp] = m;
+    ls[warp] = l;
+  }
+  __syncthreads();
+  const float sink = a.sinks[h];
+  float mm = sink;
+  for (int w = 0; w < kGenWarps; ++w) mm = fmaxf(mm, ms[w]);
+  float f[kGenWarps];
+  float den = expf(sink - mm);
+#pragma unroll
+  for (int w = 0; w < kGenWarps; ++w) {
+    f[w] = expf(ms[w] - mm);
+    den += ls[w] * f[w];
+  }
+  T* out = static_cast<T*>(a.out) + (t * a.heads + h) * dim;
+  for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+    float o = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kGenWarps; ++w) o = fmaf(accs[w * dim + d], f[w], o);
+    out[d] = Num<T>::store(o / den);
+  }
+}
+
+// ------------------------------------------------------------------------------------------ host side
+bool aligned(const void* p, int n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
+
+bool cache_fast(const void* p, int fmt, int64_t row_bytes, int dim) {
+  if (fmt == kAttnBf16) return aligned(p, 16) && row_bytes == 2 * dim;
+  if (fmt == kAttnFp8) return aligned(p, 8) && row_bytes % 8 == 0 && row_bytes <= 2 * dim;
+  return false;
+}
+
+// Tensor-core path: q bf16, D in {128, 512}, caches bf16 / FP8 rows, 16-byte aligned bf16 rows.
+bool use_mma(const SparseAttnArgs& a) {
+  if (a.dtype != static_cast<int>(DType::kBFloat16) || (a.dim != 128 && a.dim != 512)) return false;
+  if (!aligned(a.q, 16) || (a.q_stride_t * 2) % 16 || (a.q_stride_h * 2) % 16) return false;
+  if (!aligned(a.kv, 16) || (a.kv_stride * 2) % 16) return false;
+  const int nope = a.dim - a.rope_dim;
+  const bool fp8 = a.swa_fmt == kAttnFp8 || (a.entry_cache != nullptr && a.ent_fmt == kAttnFp8);
+  if (fp8 && (nope <= 0 || nope % kFp8Block)) return false;
+  if (!cache_fast(a.swa_cache, a.swa_fmt, a.swa_row_bytes, a.dim)) return false;
+  if (a.entry_cache != nullptr && !cache_fast(a.entry_cache, a.ent_fmt, a.ent_row_bytes, a.dim)) return false;
+  return a.heads >= 1;
+}
+
+int mt_for(const SparseAttnArgs& a) { return a.heads <= 16 ? 1 : 4; }
+
+int max_tiles(const SparseAttnArgs& a) {
+  int64_t e = 0;
+  if (a.entry_cache != nullptr) e = a.entry_idx != nullptr ? a.topk : a.bt_cols * a.per_block;
+  const int64_t n = (a.window + e + kNT - 1) / kNT;
+  return static_cast<int>(n < 1 ? 1 : n);
+}
+
+// wgmma for 64-head groups of D = 512 (sm_90a); DSV4RT_ATTN_MMA=sync forces the mma.sync kernel (comparisons).
+bool use_wgmma(const SparseAttnArgs& a) {
+  if (a.dim != 512 || mt_for(a) != 4) return false;
+  const char* env = std::getenv("DSV4RT_ATTN_MMA");
+  if (env != nullptr && std::strcmp(env, "sync") == 0) return false;
+  int dev = 0, major = 0, minor = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  return major == 9 && minor == 0;
+}
+
+template <int D, int MT, bool WG>
+cudaError_t set_smem() {
+  return cudaFuncSetAttribute(sparse_attn_mma_kernel<D, MT, WG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              MmaCfg<D, MT>::kSmem);
+}
+
+template <int D, int MT, bool WG>
+int ctas_per_sm() {
+  if (set_smem<D, MT, WG>() != cudaSuccess) return 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, sparse_attn_mma_kernel<D, MT, WG>, MmaCfg<D, MT>::kThreads,
+                                                    MmaCfg<D, MT>::kSmem) != cudaSuccess)
+    return 1;
+  return n > 0 ? n : 1;
+}
+
+int mma_ctas_per_sm(const SparseAttnArgs& a) {
+  const int mt = mt_for(a);
+  if (a.dim == 512) {
+    if (mt == 4) return use_wgmma(a) ? ctas_per_sm<512, 4, true>() : ctas_per_sm<512, 4, false>();
+    return ctas_per_sm<512, 1, false>();
+  }
+  return mt == 4 ? ctas_per_sm<128, 4, false>() : ctas_per_sm<128, 1, false>();
+}
+
+template <int D, int MT, bool WG>
+cudaError_t launch_mma(const SparseAttnArgs& a, cudaStream_t stream) {
+  using C = MmaCfg<D, MT>;
+  cudaError_t err = set_smem<D, MT, WG>();
+  if (err != cudaSuccess) return err;
+  const int64_t n_hg = (a.heads + C::kRows - 1) / C::kRows;
+  const dim3 grid(static_cast<unsigned>(a.n_tokens * n_hg), static_cast<unsigned>(a.n_splits));
+  sparse_attn_mma_kernel<D, MT, WG><<<grid, C::kThreads, C::kSmem, stream>>>(a, max_tiles(a));
+  err = cudaGetLastError();
+  if (err != cudaSuccess || a.n_splits == 1) return err;
+  const dim3 cgrid(static_cast<unsigned>(a.n_tokens * a.heads), static_cast<unsigned>((a.dim + 127) / 128));
+  sparse_attn_combine_kernel<__nv_bfloat16><<<cgrid, 32 * kCombineWarps, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_mma_dim(const SparseAttnArgs& a, cudaStream_t stream) {
+  const int mt = mt_for(a);
+  if (a.dim == 512) {
+    if (mt == 4) return use_wgmma(a) ? launch_mma<512, 4, true>(a, stream) : launch_mma<512, 4, false>(a, stream);
+    return launch_mma<512, 1, false>(a, stream);
+  }
+  return mt == 4 ? launch_mma<128, 4, false>(a, stream) : launch_mma<128, 1, false>(a, stream);
+}
+
+template <typename T>
+cudaError_t launch_generic(const SparseAttnArgs& a, cudaStream_t stream) {
+  const size_t smem = sizeof(float) * (kGenWarps * static_cast<size_t>(a.dim) + 2 * kGenWarps);
+  sparse_attn_generic_kernel<T><<<static_cast<unsigned>(a.n_tokens * a.heads), 32 * kGenWarps, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int sparse_attn_splits(const SparseAttnArgs& a) {
+  if (a.n_tokens == 0 || !use_mma(a)) return 1;
+  const int tiles = max_tiles(a);
+  const int cap = tiles < kMaxSplits ? tiles : kMaxSplits;
+  if (const char* env = std::getenv("DSV4RT_ATTN_SPLITS")) {  // tests and benchmarks: force a split count
+    const int k = std::atoi(env);
+    if (k >= 1) return k < cap ? k : cap;
+  }
+  const int rows = mt_for(a) == 4 ? 64 : 16;
+  const int64_t units = a.n_tokens * ((a.heads + rows - 1) / rows);
+  const int64_t slots = static_cast<int64_t>(num_sms()) * mma_ctas_per_sm(a);
+  // modelled time: waves x tiles per CTA x a tile's time (about 8 us for 64 heads of D = 512, measured on an H200),
+  // plus, when split, the partials written and read back (fp32 rows of every head and column) and the combine
+  const double tile_us = 8.0 * rows * a.dim / (64.0 * 512.0), partial_bytes_per_us = 2.0e6, combine_us = 3.0;
+  int best = 1;
+  double best_cost = -1.0;
+  for (int ns = 1; ns <= cap; ++ns) {
+    const int64_t tps = (tiles + ns - 1) / ns;
+    const int64_t waves = (units * ns + slots - 1) / slots;
+    double cost = static_cast<double>(waves * tps) * tile_us;
+    if (ns > 1) cost += combine_us + 2.0 * units * ns * rows * a.dim * 4 / partial_bytes_per_us;
+    if (best_cost < 0.0 || cost < best_cost) {
+      best_cost = cost;
+      best = ns;
+    }
+  }
+  return best;
+}
+
+int64_t sparse_attn_workspace_floats(const SparseAttnArgs& a, int n_splits) {
+  if (n_splits <= 1) return 0;
+  return a.n_tokens * n_splits * a.heads * (static_cast<int64_t>(a.dim) + 2);
+}
+
+cudaError_t sparse_attn_launch(const SparseAttnArgs& a, cudaStream_t stream) {
+  if (a.n_tokens == 0) return cudaSuccess;
+  if (use_mma(a)) return launch_mma_dim(a, stream);
+  if (a.n_splits != 1) return cudaErrorInvalidValue;
+  switch (static_cast<DType>(a.dtype)) {
+    case DType::kFloat32: return launch_generic<float>(a, stream);
+    case DType::kBFloat16: return launch_generic<__nv_bfloat16>(a, stream);
+    case DType::kFloat16: return launch_generic<__half>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace dsv4rt
