@@ -9,12 +9,11 @@
 #include <torch/library.h>
 
 #include "attention.h"
+#include "binding.h"
 
 namespace {
 
-// Numbers in error messages go through std::to_string: on the device image, streaming an integer into the
-// message's ostringstream from this extension crashed (SIGSEGV in std::ostream::_M_insert<long>, seen with cuda-gdb).
-std::string num(int64_t v) { return std::to_string(v); }
+using dsv4rt::num;  // numbers in check messages: see binding.h
 
 int value_fmt(at::ScalarType t, const char* name) {
   switch (t) {

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "compressor.h"
+#include "binding.h"
 
 namespace {
 
@@ -22,7 +23,7 @@ int dtype_code(at::ScalarType t) {
 
 void check_f32(const at::Tensor& x, const char* name, const at::Device& dev) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.device() == dev, "compressor_update: ", name,
-              " must be a contiguous float32 tensor on ", dev);
+              " must be a contiguous float32 tensor on ", dsv4rt::dev_str(dev));
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "compressor_update: ", name,
               " must be 16-byte aligned");
 }
@@ -78,7 +79,7 @@ void compressor_update_cuda(const at::Tensor& kv, const at::Tensor& score, const
                 "compressor_update: FP4 entries need a power-of-two d and uint8 rows of fp4_row_bytes(d)");
   } else {
     TORCH_CHECK(quant == kQuantNone || quant == kQuantFp8Sim || quant == kQuantFp4Sim,
-                "compressor_update: unknown quant ", quant);
+                "compressor_update: unknown quant ", dsv4rt::num(quant));
     TORCH_CHECK(entry_cache.scalar_type() == dtype && row == d,
                 "compressor_update: value entries must be `dtype` [.., d]");
     TORCH_CHECK(reinterpret_cast<uintptr_t>(entry_cache.data_ptr()) % 16 == 0,

@@ -1,26 +1,39 @@
-// Torch binding of the MoE family: checks, then csrc/moe.cu on the current stream. Large batches of moe_experts
-// (bf16, more than DSV4RT_MOE_GROUPED_MIN_PAIRS = 3072 (token, choice) pairs by default) run the two projections as
-// grouped GEMMs (at::_grouped_mm, offsets computed on the device) between the plan, activation and combine kernels;
-// smaller ones run the expert GEMV kernels. The path depends on shapes only. DSV4RT_MOE_PDL=0 turns off the
-// programmatic dependent launches (read at each call, so at capture time for a CUDA graph).
+// Torch binding of the MoE family: checks, then csrc/moe.cu on the current stream. moe_gate runs its kernel for up to
+// 8 tokens (x cast inside it) and the reference's cuBLAS call above that. moe_experts picks its path from shapes only:
+// large batches (bf16, more than DSV4RT_MOE_GROUPED_MIN_PAIRS = 3072 rows by default, the shared expert's T rows
+// counted with the T * k pairs) run the projections as grouped GEMMs (at::_grouped_mm, offsets computed on the device)
+// between the plan, activation and combine kernels, the shared expert as plain GEMMs on its separate weights; the rest
+// run the plan, expert GEMV and combine kernels, the shared expert one more slot of the GEMVs; tiny batches (opt-in,
+// see kTinyTokens: T <= 8 tokens, T * k <= 64 pairs; bf16/fp16, D and I multiples of 32) can run two expert kernels
+// that plan and combine inside themselves instead. Knobs, read at each call (so at capture time for a CUDA graph):
+// DSV4RT_MOE_PDL=0 turns off the programmatic dependent launches, DSV4RT_MOE_TINY=n sends batches of at most n
+// tokens (n <= 8; 0: none) to the tiny path, DSV4RT_MOE_TINY_PREFETCH=0 turns off its L2 prefetch of the down
+// projection's first expert.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <tuple>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_grouped_mm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index_select.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "moe.h"
+#include "binding.h"
 
 namespace {
 
+// Batches up to this many tokens take the tiny path (at most moe_tiny_max_tokens). 0: opt-in (DSV4RT_MOE_TINY=8)
+// until its kernels are measured faster than the GEMV path.
+constexpr int64_t kTinyTokens = 0;
 constexpr int64_t kGroupedMinPairs = 3072;  // measured crossover (H200): ~3.6K pairs (512 tokens, top-6 + shared)
 constexpr int64_t kMaxExperts = 4096;       // the plan keeps two ints per expert in shared memory
 constexpr int64_t kMaxGroupedExperts = 1023;  // at::_grouped_mm takes fewer than 1024 groups
@@ -54,7 +67,27 @@ int dtype_code(at::ScalarType t) {
 
 void check_index(const at::Tensor& t, const char* op, const char* name, const at::Device& dev) {
   TORCH_CHECK((t.scalar_type() == at::kLong || t.scalar_type() == at::kInt) && t.is_contiguous() && t.device() == dev,
-              op, ": ", name, " must be a contiguous int64 or int32 tensor on ", dev);
+              op, ": ", name, " must be a contiguous int64 or int32 tensor on ", dsv4rt::dev_str(dev));
+}
+
+at::Tensor moe_gate_cuda(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1),
+              "moe_gate: x must be [T, D] and weight [E, D]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "moe_gate: weight must be float32, got ", weight.scalar_type());
+  TORCH_CHECK(weight.device() == x.device(), "moe_gate: x and weight on different devices");
+  const int64_t n_tok = x.size(0), dim = x.size(1), n_exp = weight.size(0);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const bool native = n_tok >= 1 && n_tok <= dsv4rt::moe_gate_max_tokens && dim % 8 == 0 && x.is_contiguous() &&
+                      weight.is_contiguous() && aligned16(x) && aligned16(weight) &&
+                      (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                       x.scalar_type() == at::kHalf);
+  if (!native) return at::linear(x.to(at::kFloat), weight);  // the reference's own arithmetic (cuBLAS)
+  at::Tensor logits = at::empty({n_tok, n_exp}, x.options().dtype(at::kFloat));
+  if (n_exp == 0) return logits;
+  check_launch(dsv4rt::moe_gate_launch(x.data_ptr(), dtype_code(x.scalar_type()), weight.data_ptr<float>(), n_tok, dim,
+                                       n_exp, logits.data_ptr<float>(), c10::cuda::getCurrentCUDAStream(), use_pdl()),
+               "moe_gate");
+  return logits;
 }
 
 std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& logits, const at::Tensor& bias, int64_t topk,
@@ -66,8 +99,10 @@ std::tuple<at::Tensor, at::Tensor> moe_route_cuda(const at::Tensor& logits, cons
                   (bias.scalar_type() == at::kFloat || bias.scalar_type() == at::kBFloat16),
               "moe_route: bias must be a contiguous float32 or bfloat16 [E] tensor");
   TORCH_CHECK(bias.device() == logits.device(), "moe_route: logits and bias on different devices");
-  TORCH_CHECK(n_exp >= 1 && n_exp <= kMaxRouteExperts, "moe_route: 1 to ", kMaxRouteExperts, " experts, got ", n_exp);
-  TORCH_CHECK(topk >= 1 && topk <= 32 && topk <= n_exp, "moe_route: topk must be in [1, min(32, E)], got ", topk);
+  TORCH_CHECK(n_exp >= 1 && n_exp <= kMaxRouteExperts, "moe_route: 1 to ", dsv4rt::num(kMaxRouteExperts), " experts, got ",
+              dsv4rt::num(n_exp));
+  TORCH_CHECK(topk >= 1 && topk <= 32 && topk <= n_exp, "moe_route: topk must be in [1, min(32, E)], got ",
+              dsv4rt::num(topk));
   const c10::cuda::CUDAGuard guard(logits.device());
   at::Tensor weights = at::empty({n_tok, topk}, logits.options());
   at::Tensor ids = at::empty({n_tok, topk}, logits.options().dtype(at::kInt));
@@ -92,7 +127,8 @@ std::tuple<at::Tensor, at::Tensor> moe_hash_route_cuda(const at::Tensor& logits,
   TORCH_CHECK(token_ids.dim() == 1 && token_ids.size(0) == logits.size(0), "moe_hash_route: token_ids must be [T]");
   const int64_t n_tok = logits.size(0), n_exp = logits.size(1), topk = tid2eid.size(1);
   TORCH_CHECK(n_exp >= 1, "moe_hash_route: no experts");
-  TORCH_CHECK(topk >= 1 && topk <= 32, "moe_hash_route: k (tid2eid.size(1)) must be in [1, 32], got ", topk);
+  TORCH_CHECK(topk >= 1 && topk <= 32, "moe_hash_route: k (tid2eid.size(1)) must be in [1, 32], got ",
+              dsv4rt::num(topk));
   const c10::cuda::CUDAGuard guard(dev);
   at::Tensor weights = at::empty({n_tok, topk}, logits.options());
   at::Tensor ids = at::empty({n_tok, topk}, logits.options().dtype(at::kInt));
@@ -107,8 +143,20 @@ std::tuple<at::Tensor, at::Tensor> moe_hash_route_cuda(const at::Tensor& logits,
   return {weights, ids};
 }
 
+void check_shared(const at::Tensor& t, const char* name, int64_t rows, int64_t cols, const at::Tensor& x) {
+  TORCH_CHECK(t.dim() == 2, "moe_experts: ", name, " must be 2-D [", dsv4rt::num(rows), ", ",
+              dsv4rt::num(cols), "], got ", dsv4rt::num(t.dim()), " dims");
+  TORCH_CHECK(t.size(0) == rows && t.size(1) == cols, "moe_experts: ", name, " must be [", dsv4rt::num(rows), ", ",
+              dsv4rt::num(cols), "], got [", dsv4rt::num(t.size(0)), ", ", dsv4rt::num(t.size(1)), "]");
+  TORCH_CHECK(t.scalar_type() == x.scalar_type(), "moe_experts: ", name, " must have x's dtype ", x.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), "moe_experts: ", name, " must be contiguous");
+  TORCH_CHECK(t.device() == x.device(), "moe_experts: ", name, " on another device than x");
+}
+
 at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                            const at::Tensor& weights, const at::Tensor& ids, double limit) {
+                            const at::Tensor& weights, const at::Tensor& ids, double limit,
+                            const std::optional<at::Tensor>& shared_gate, const std::optional<at::Tensor>& shared_up,
+                            const std::optional<at::Tensor>& shared_down) {
   const at::Device dev = x.device();
   TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3,
               "moe_experts: x must be [T, D], w13 [E, 2I, D], w2 [E, D, I]");
@@ -128,29 +176,37 @@ at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& w13, const at
   for (const at::Tensor* t : {&w13, &w2, &weights, &ids}) {
     TORCH_CHECK(t->device() == dev, "moe_experts: tensors on different devices");
   }
+  const bool shared = shared_gate.has_value();
+  TORCH_CHECK(shared_up.has_value() == shared && shared_down.has_value() == shared,
+              "moe_experts: give all three shared-expert projections (shared_gate, shared_up, shared_down) or none");
+  if (shared) {
+    check_shared(*shared_gate, "shared_gate", inter, dim, x);
+    check_shared(*shared_up, "shared_up", inter, dim, x);
+    check_shared(*shared_down, "shared_down", dim, inter, x);
+  }
   const int64_t topk = ids.size(1), n_pairs = n_tok * topk;
-  TORCH_CHECK(n_exp >= 1 && n_exp <= kMaxExperts, "moe_experts: 1 to ", kMaxExperts, " experts, got ", n_exp);
+  TORCH_CHECK(n_exp >= 1 && n_exp <= kMaxExperts, "moe_experts: 1 to ", dsv4rt::num(kMaxExperts), " experts, got ",
+              dsv4rt::num(n_exp));
   TORCH_CHECK(dim >= 1 && inter >= 1, "moe_experts: empty hidden or intermediate size");
-  TORCH_CHECK(n_pairs < (int64_t{1} << 31) && n_pairs * std::max(dim, inter) < (int64_t{1} << 62),
+  TORCH_CHECK(n_pairs + n_tok < (int64_t{1} << 31) && (n_pairs + n_tok) * std::max(dim, inter) < (int64_t{1} << 62),
               "moe_experts: too many (token, choice) pairs");
   const c10::cuda::CUDAGuard guard(dev);
   at::Tensor out = at::empty({n_tok, dim}, x.options());
-  if (n_tok == 0 || topk == 0) {
-    if (n_tok > 0) out.zero_();
-    return out;
-  }
+  if (n_tok == 0) return out;
+  if (topk == 0 && !shared) return out.zero_();
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t n_slots = std::min(n_exp, n_pairs);
-  at::Tensor workspace = at::empty({dsv4rt::moe_plan_words(n_exp, n_pairs)}, x.options().dtype(at::kInt));
 
   dsv4rt::MoeExpertsArgs a{};
   a.x = x.data_ptr();
   a.w13 = w13.data_ptr();
   a.w2 = w2.data_ptr();
+  a.shared_gate = shared ? shared_gate->data_ptr() : nullptr;
+  a.shared_up = shared ? shared_up->data_ptr() : nullptr;
+  a.shared_down = shared ? shared_down->data_ptr() : nullptr;
   a.weights = weights.data_ptr<float>();
   a.ids = ids.data_ptr<int32_t>();
   a.out = out.data_ptr();
-  a.plan = dsv4rt::moe_plan_views(workspace.data_ptr<int32_t>(), n_exp, n_pairs);
   a.n_tokens = n_tok;
   a.dim = dim;
   a.inter = inter;
@@ -159,17 +215,40 @@ at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& w13, const at
   a.limit = static_cast<float>(limit);
   a.dtype = dtype;
   a.pdl = use_pdl();
+  a.tiny_prefetch = env_int("DSV4RT_MOE_TINY_PREFETCH", 1) != 0;
 
   const bool tensor_cores = dtype != dsv4rt::kMoeF32 && dim % 32 == 0 && inter % 32 == 0 && aligned16(x) &&
-                            aligned16(w13) && aligned16(w2);
-  const bool grouped = dtype == dsv4rt::kMoeBF16 && tensor_cores && n_exp <= kMaxGroupedExperts &&
-                       n_pairs > env_int("DSV4RT_MOE_GROUPED_MIN_PAIRS", kGroupedMinPairs);
+                            aligned16(w13) && aligned16(w2) &&
+                            (!shared || (aligned16(*shared_gate) && aligned16(*shared_up) && aligned16(*shared_down)));
+  const int64_t tiny_tokens = std::min<int64_t>(env_int("DSV4RT_MOE_TINY", kTinyTokens), dsv4rt::moe_tiny_max_tokens);
+  if (tensor_cores && n_tok <= tiny_tokens && n_pairs <= dsv4rt::moe_tiny_max_pairs) {
+    at::Tensor act = at::empty({dsv4rt::moe_tiny_act_rows(n_exp, n_tok, topk, shared), inter}, x.options());
+    check_launch(dsv4rt::moe_experts_tiny_launch(a, act.data_ptr(), stream), "moe_experts");
+    return out;
+  }
+  at::Tensor workspace = at::empty({dsv4rt::moe_plan_words(n_exp, n_pairs)}, x.options().dtype(at::kInt));
+  a.plan = dsv4rt::moe_plan_views(workspace.data_ptr<int32_t>(), n_exp, n_pairs);
+  // The threshold counts the shared expert's rows as pairs: both paths compute them.
+  const int64_t rows = n_pairs + (shared ? n_tok : 0);
+  const bool grouped = dtype == dsv4rt::kMoeBF16 && tensor_cores && n_exp <= kMaxGroupedExperts && n_pairs > 0 &&
+                       rows > env_int("DSV4RT_MOE_GROUPED_MIN_PAIRS", kGroupedMinPairs);
   if (!grouped) {
-    at::Tensor act = at::empty({n_pairs, inter}, x.options());
-    at::Tensor y = at::empty({n_pairs, dim}, x.options().dtype(at::kFloat));
+    at::Tensor act = at::empty({rows, inter}, x.options());
+    at::Tensor y = at::empty({rows, dim}, x.options().dtype(at::kFloat));
     check_launch(dsv4rt::moe_experts_small_launch(a, act.data_ptr(), y.data_ptr<float>(), tensor_cores, stream),
                  "moe_experts");
     return out;
+  }
+  at::Tensor shared_y;
+  if (shared) {  // plain GEMMs on the separate weights (transposed views: no copy), the same activation kernel
+    const at::Tensor hg = at::mm(x, shared_gate->t()), hu = at::mm(x, shared_up->t());  // [T, I]
+    TORCH_CHECK(hg.is_contiguous() && hu.is_contiguous() && aligned16(hg) && aligned16(hu),
+                "moe_experts: unexpected GEMM layout");
+    at::Tensor act_s = at::empty({n_tok, inter}, x.options());
+    check_launch(dsv4rt::moe_act_launch(a, hg.data_ptr(), hu.data_ptr(), inter, act_s.data_ptr(), n_tok, stream),
+                 "moe_experts");
+    shared_y = at::mm(act_s, shared_down->t());  // [T, D], rounded to the dtype as the reference's F.linear
+    TORCH_CHECK(shared_y.is_contiguous() && aligned16(shared_y), "moe_experts: unexpected GEMM layout");
   }
   check_launch(dsv4rt::moe_plan_launch(a, stream), "moe_experts");
   const at::Tensor offs = workspace.narrow(0, 0, n_exp);  // expert_end: the grouped GEMMs' offsets
@@ -178,16 +257,21 @@ at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& w13, const at
   const at::Tensor h = at::_grouped_mm(xs, w13.transpose(1, 2), offs);  // [P, 2I]
   TORCH_CHECK(h.stride(1) == 1 && h.stride(0) % 8 == 0 && aligned16(h), "moe_experts: unexpected grouped GEMM layout");
   at::Tensor act = at::empty({n_pairs, inter}, x.options());
-  check_launch(dsv4rt::moe_act_launch(a, h.data_ptr(), h.stride(0), act.data_ptr(), n_pairs, stream), "moe_experts");
+  const char* h_up = static_cast<const char*>(h.data_ptr()) + inter * h.element_size();
+  check_launch(dsv4rt::moe_act_launch(a, h.data_ptr(), h_up, h.stride(0), act.data_ptr(), n_pairs, stream),
+               "moe_experts");
   const at::Tensor y = at::_grouped_mm(act, w2.transpose(1, 2), offs);  // [P, D]
   TORCH_CHECK(y.stride(1) == 1 && y.stride(0) % 8 == 0 && aligned16(y), "moe_experts: unexpected grouped GEMM layout");
-  check_launch(dsv4rt::moe_combine_launch(a, y.data_ptr(), false, y.stride(0), stream), "moe_experts");
+  check_launch(dsv4rt::moe_combine_launch(a, y.data_ptr(), false, y.stride(0), shared ? shared_y.data_ptr() : nullptr,
+                                          dim, stream),
+               "moe_experts");
   return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dsv4rt, CUDA, m) {
+  m.impl("moe_gate", &moe_gate_cuda);
   m.impl("moe_route", &moe_route_cuda);
   m.impl("moe_hash_route", &moe_hash_route_cuda);
   m.impl("moe_experts", &moe_experts_cuda);

@@ -171,6 +171,105 @@ cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
+// ------------------------------------------------------------------------------------------ gate
+constexpr int kGateThreads = 256;
+constexpr int kGateRowThreads = 128;  // threads a weight row: 2 rows a CTA
+constexpr int kGateU = 8;             // 16-byte weight loads in flight a thread (D = 4096: the whole row at once)
+
+template <typename T>
+__device__ __forceinline__ float4 load4(const T* p);
+
+template <>
+__device__ __forceinline__ float4 load4<float>(const float* p) {
+  const uint4 v = ld_coherent(p);
+  return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w));
+}
+
+template <typename T>
+__device__ __forceinline__ float4 load4_half(const T* p) {
+  uint2 v;
+  asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
+  const T* h = reinterpret_cast<const T*>(&v);
+  return make_float4(Num<T>::to_float(h[0]), Num<T>::to_float(h[1]), Num<T>::to_float(h[2]), Num<T>::to_float(h[3]));
+}
+
+template <>
+__device__ __forceinline__ float4 load4<__nv_bfloat16>(const __nv_bfloat16* p) {
+  return load4_half(p);
+}
+
+template <>
+__device__ __forceinline__ float4 load4<__half>(const __half* p) {
+  return load4_half(p);
+}
+
+// logits[t, e] = sum_d float(x[t, d]) * w[e, d]: fp32 FMAs, each thread over its columns, then the warps of a row in
+// a fixed order: deterministic.
+template <typename T>
+__global__ void __launch_bounds__(kGateThreads) moe_gate_kernel(const T* x, const float* __restrict__ w,
+                                                                float* __restrict__ logits, int n_tokens, int64_t dim,
+                                                                int64_t n_experts) {
+  __shared__ float part[kGateThreads / 32][moe_gate_max_tokens];
+  const int tr = threadIdx.x % kGateRowThreads, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * (kGateThreads / kGateRowThreads) + threadIdx.x / kGateRowThreads;
+  const bool live = e < n_experts;
+  const float* wr = w + (live ? e : 0) * dim;
+  const int64_t n4 = dim / 4;
+  uint4 wv[kGateU];
+  auto load_w = [&](int64_t q0) {
+#pragma unroll
+    for (int u = 0; u < kGateU; ++u) {
+      const int64_t q = q0 + u * kGateRowThreads;
+      wv[u] = (live && q < n4) ? ld_stream(wr + 4 * q) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  load_w(tr);  // the weights are no predecessor's output: in flight before the wait
+  pdl_wait();
+  pdl_trigger();
+  float acc[moe_gate_max_tokens];
+#pragma unroll
+  for (int t = 0; t < moe_gate_max_tokens; ++t) acc[t] = 0.0f;
+  for (int64_t q0 = tr;;) {
+#pragma unroll
+    for (int u = 0; u < kGateU; ++u) {
+      const int64_t q = q0 + u * kGateRowThreads;
+      if (q >= n4) break;
+      const float4 wf = make_float4(__uint_as_float(wv[u].x), __uint_as_float(wv[u].y), __uint_as_float(wv[u].z),
+                                    __uint_as_float(wv[u].w));
+#pragma unroll
+      for (int t = 0; t < moe_gate_max_tokens; ++t) {
+        if (t < n_tokens) {
+          const float4 xv = load4<T>(x + t * dim + 4 * q);
+          acc[t] = fmaf(wf.x, xv.x, acc[t]);
+          acc[t] = fmaf(wf.y, xv.y, acc[t]);
+          acc[t] = fmaf(wf.z, xv.z, acc[t]);
+          acc[t] = fmaf(wf.w, xv.w, acc[t]);
+        }
+      }
+    }
+    q0 += kGateU * kGateRowThreads;
+    if (q0 >= n4) break;
+    load_w(q0);
+  }
+#pragma unroll
+  for (int t = 0; t < moe_gate_max_tokens; ++t) {
+    float v = acc[t];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) part[warp][t] = v;
+  }
+  __syncthreads();
+  constexpr int kWarpsPerRow = kGateRowThreads / 32;
+  const int rl = threadIdx.x / moe_gate_max_tokens, t = threadIdx.x % moe_gate_max_tokens;
+  const int64_t er = static_cast<int64_t>(blockIdx.x) * (kGateThreads / kGateRowThreads) + rl;
+  if (rl < kGateThreads / kGateRowThreads && t < n_tokens && er < n_experts) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kWarpsPerRow; ++k) sum += part[rl * kWarpsPerRow + k][t];
+    logits[t * n_experts + er] = sum;
+  }
+}
+
 // ------------------------------------------------------------------------------------------ routers
 // J = ceil(E / 32) experts per lane, kept in registers.
 template <int J>
@@ -362,17 +461,62 @@ struct GemvArgs {
   const void* x;    // [T, D]
   const void* w13;  // [E, 2I, D]
   const void* w2;   // [E, D, I]
-  void* act;        // [P, I]
-  float* y;         // [P, D]
+  const void* sg;   // [I, D] the shared expert's gate rows (null: no shared expert)
+  const void* su;   // [I, D] its up rows
+  const void* sd;   // [D, I] its down rows
+  void* act;        // [P + Ts, I]
+  float* y;         // [P + Ts, D]
   MoePlan plan;
   int64_t dim, inter;
+  int n_tokens, n_pairs;
+  int n_slots;      // routed slots; slot n_slots (when sg is set) is the shared expert: every token, rows P + t
   float limit;
 };
 
-
-// Slots in reverse: the unused ones (past the last chosen expert) exit first, and the highest expert id, where a
-// fused shared expert sits with every token (the longest CTAs), starts first.
+// Slots in reverse: the shared expert (the last slot, with every token: the longest CTAs) and the highest chosen
+// experts start first, the unused slots (past the last chosen expert) exit at once.
 __device__ __forceinline__ int slot_of_block() { return static_cast<int>(gridDim.y - 1 - blockIdx.y); }
+
+// A CTA's slot: its expert's gate/up rows ([I, D] each) and down rows ([D, I]), and its pairs [off, off + n).
+template <typename T>
+struct Slot {
+  const T* gate;
+  const T* up;
+  const T* down;
+  int off, n;
+  bool shared;
+  __device__ __forceinline__ int token(const MoePlan& p, int q) const { return shared ? q : p.pair_tok[off + q]; }
+};
+
+// e: the slot's expert (any value for the shared slot); false when the slot is unused.
+template <typename T>
+__device__ __forceinline__ bool slot_rows(const GemvArgs& a, int s, int e, Slot<T>& sl) {
+  const int64_t D = a.dim, I = a.inter;
+  sl.shared = s == a.n_slots;
+  if (sl.shared) {
+    sl.gate = static_cast<const T*>(a.sg);
+    sl.up = static_cast<const T*>(a.su);
+    sl.down = static_cast<const T*>(a.sd);
+    return true;
+  }
+  if (e < 0) return false;
+  sl.gate = static_cast<const T*>(a.w13) + static_cast<int64_t>(e) * 2 * I * D;
+  sl.up = sl.gate + I * D;
+  sl.down = static_cast<const T*>(a.w2) + static_cast<int64_t>(e) * D * I;
+  return true;
+}
+
+// The slot's pairs (read after the plan kernel completed).
+template <typename T>
+__device__ __forceinline__ void slot_pairs(const GemvArgs& a, int s, Slot<T>& sl) {
+  if (sl.shared) {
+    sl.off = a.n_pairs;
+    sl.n = a.n_tokens;
+  } else {
+    sl.off = a.plan.slot_off[s];
+    sl.n = a.plan.slot_off[s + 1] - sl.off;
+  }
+}
 
 // up: act[p, i0 + g] for the CTA's 8 channels and every pair p of its slot.
 template <typename T, int NG, int U>
@@ -381,14 +525,15 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_up_mma_kernel(const GemvA
   pdl_wait();
   pdl_trigger();
   const int s = slot_of_block();
-  const int e = a.plan.slot_expert[s];
-  if (e < 0) return;
-  const int off = a.plan.slot_off[s], n = a.plan.slot_off[s + 1] - off;
+  Slot<T> sl;
+  if (!slot_rows<T>(a, s, s < a.n_slots ? a.plan.slot_expert[s] : 0, sl)) return;
+  slot_pairs<T>(a, s, sl);
+  const int off = sl.off, n = sl.n;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int64_t D = a.dim, I = a.inter;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * 8 + g;
-  const T* row_g = static_cast<const T*>(a.w13) + (static_cast<int64_t>(e) * 2 * I + i) * D + c * 8;
-  const T* row_u = row_g + I * D;
+  const T* row_g = sl.gate + i * D + c * 8;
+  const T* row_u = sl.up + i * D + c * 8;
   const int nk = static_cast<int>(D / kChunk);
   T* act = static_cast<T*>(a.act);
   for (int base = 0; base < n; base += 8 * NG) {
@@ -398,7 +543,7 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_up_mma_kernel(const GemvA
     for (int gi = 0; gi < NG; ++gi) {
       const int q = base + gi * 8 + g;
       xrow[gi] = (gi < ng && q < n)
-                     ? static_cast<const T*>(a.x) + static_cast<int64_t>(a.plan.pair_tok[off + q]) * D + c * 8
+                     ? static_cast<const T*>(a.x) + static_cast<int64_t>(sl.token(a.plan, q)) * D + c * 8
                      : nullptr;
     }
     float acc[NG][4];
@@ -463,17 +608,18 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_down_mma_kernel(const Gem
   const int64_t D = a.dim, I = a.inter;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * 16;
   // The plan was written two launches back; the up kernel waited for it before any of its CTAs let this grid start.
-  const int e = __ldcg(a.plan.slot_expert + s);
-  if (e >= 0 && threadIdx.x < 16) {  // the CTA's weight tile into L2 while the up kernel drains
-    prefetch_l2(static_cast<const T*>(a.w2) + (static_cast<int64_t>(e) * D + r0 + threadIdx.x) * I,
-                static_cast<uint32_t>(I * sizeof(T)));
+  Slot<T> sl;
+  const bool used = slot_rows<T>(a, s, s < a.n_slots ? __ldcg(a.plan.slot_expert + s) : 0, sl);
+  if (used && threadIdx.x < 16) {  // the CTA's weight tile into L2 while the up kernel drains
+    prefetch_l2(sl.down + (r0 + threadIdx.x) * I, static_cast<uint32_t>(I * sizeof(T)));
   }
   pdl_wait();
   pdl_trigger();
-  if (e < 0) return;
-  const int off = a.plan.slot_off[s], n = a.plan.slot_off[s + 1] - off;
+  if (!used) return;
+  slot_pairs<T>(a, s, sl);
+  const int off = sl.off, n = sl.n;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const T* row_a = static_cast<const T*>(a.w2) + (static_cast<int64_t>(e) * D + r0 + g) * I + c * 8;
+  const T* row_a = sl.down + (r0 + g) * I + c * 8;
   const T* row_b = row_a + 8 * I;
   const T* act = static_cast<const T*>(a.act);
   const int nk = static_cast<int>(I / kChunk);
@@ -551,16 +697,16 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_down_mma_kernel(const Gem
 template <typename T>
 __global__ void __launch_bounds__(kGemvThreads) moe_up_simple_kernel(const GemvArgs a) {
   const int s = slot_of_block();
-  const int e = a.plan.slot_expert[s];
   const int64_t D = a.dim, I = a.inter;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kGemvWarps + (threadIdx.x >> 5);
-  if (e < 0 || i >= I) return;
+  Slot<T> sl;
+  if (!slot_rows<T>(a, s, s < a.n_slots ? a.plan.slot_expert[s] : 0, sl) || i >= I) return;
+  slot_pairs<T>(a, s, sl);
   const int lane = threadIdx.x & 31;
-  const int off = a.plan.slot_off[s], n = a.plan.slot_off[s + 1] - off;
-  const T* wg = static_cast<const T*>(a.w13) + (static_cast<int64_t>(e) * 2 * I + i) * D;
-  const T* wu = wg + I * D;
-  for (int q = 0; q < n; ++q) {
-    const T* xr = static_cast<const T*>(a.x) + static_cast<int64_t>(a.plan.pair_tok[off + q]) * D;
+  const T* wg = sl.gate + i * D;
+  const T* wu = sl.up + i * D;
+  for (int q = 0; q < sl.n; ++q) {
+    const T* xr = static_cast<const T*>(a.x) + static_cast<int64_t>(sl.token(a.plan, q)) * D;
     float hg = 0.0f, hu = 0.0f;
     for (int64_t k = lane; k < D; k += 32) {
       const float xv = Num<T>::to_float(xr[k]);
@@ -572,27 +718,435 @@ __global__ void __launch_bounds__(kGemvThreads) moe_up_simple_kernel(const GemvA
       hg += __shfl_xor_sync(0xffffffffu, hg, o);
       hu += __shfl_xor_sync(0xffffffffu, hu, o);
     }
-    if (lane == 0) static_cast<T*>(a.act)[(off + q) * I + i] = Num<T>::from_float(clamped_swiglu<T>(hg, hu, a.limit));
+    if (lane == 0) {
+      static_cast<T*>(a.act)[(sl.off + q) * I + i] = Num<T>::from_float(clamped_swiglu<T>(hg, hu, a.limit));
+    }
   }
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kGemvThreads) moe_down_simple_kernel(const GemvArgs a) {
   const int s = slot_of_block();
-  const int e = a.plan.slot_expert[s];
   const int64_t D = a.dim, I = a.inter;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kGemvWarps + (threadIdx.x >> 5);
-  if (e < 0 || r >= D) return;
+  Slot<T> sl;
+  if (!slot_rows<T>(a, s, s < a.n_slots ? a.plan.slot_expert[s] : 0, sl) || r >= D) return;
+  slot_pairs<T>(a, s, sl);
   const int lane = threadIdx.x & 31;
-  const int off = a.plan.slot_off[s], n = a.plan.slot_off[s + 1] - off;
-  const T* w = static_cast<const T*>(a.w2) + (static_cast<int64_t>(e) * D + r) * I;
-  for (int q = 0; q < n; ++q) {
-    const T* ar = static_cast<const T*>(a.act) + (off + q) * I;
+  const T* w = sl.down + r * I;
+  for (int q = 0; q < sl.n; ++q) {
+    const T* ar = static_cast<const T*>(a.act) + (sl.off + q) * I;
     float acc = 0.0f;
     for (int64_t k = lane; k < I; k += 32) acc = fmaf(Num<T>::to_float(w[k]), Num<T>::to_float(ar[k]), acc);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) a.y[(off + q) * D + r] = acc;
+    if (lane == 0) a.y[(sl.off + q) * D + r] = acc;
+  }
+}
+
+// ------------------------------------------------------------------------------------------ tiny batches
+// T <= 8 tokens (one 8-token mma group) and T * k <= 64 pairs. Every CTA derives the plan from ids in a few hundred
+// cycles, so there is no plan kernel; the chosen experts become slots (the shared expert slot 0, then the routed
+// experts in order of first appearance), each with a token mask and per-token weights. Up: one CTA per 8 channels
+// loops over all slots; down: one CTA per 16 output rows loops over all slots and keeps the weighted sum over them
+// in registers, so it writes out itself (no combine kernel). Both grids are a single wave of 2 CTAs per SM on
+// Flash dims. Each thread streams its two weight rows and its token operand (x, or act) through a cp.async ring:
+// kTinyStages - 1 items in flight, each thread reading back only what it copied (no barrier guards the ring), so
+// no load latency is exposed but the ring's; weights L2 evict-first (read once).
+// The 8 warps split the reduction dimension: item r of a slot covers chunks (r * 8 + warp) * kTinyU + [0, kTinyU),
+// so at any time the CTA reads 8 * kTinyU contiguous 32-column chunks of each of its 16 rows.
+constexpr int kTinyWarps = 8;
+constexpr int kTinyThreads = kTinyWarps * 32;
+constexpr int kTinyU = 2;       // 32-column chunks of each of its two rows (and of its operand) a lane copies per item
+constexpr int kTinyStages = 4;  // ring depth
+constexpr int kTinyWords = 3 * kTinyU;  // 16-byte words of a thread in one stage: row a, row b, operand
+constexpr size_t kTinySmem = static_cast<size_t>(kTinyStages) * kTinyWords * kTinyThreads * sizeof(uint4);  // 96 KiB
+constexpr int kTinyMaxSlots = moe_tiny_max_pairs + 1;
+
+struct TinyArgs {
+  const void* x;    // [T, D]
+  const void* w13;  // [E, 2I, D]
+  const void* w2;   // [E, D, I]
+  const void* sg;   // [I, D] shared expert (null: none)
+  const void* su;   // [I, D]
+  const void* sd;   // [D, I]
+  const float* weights;  // [T, k]
+  const int32_t* ids;    // [T, k]
+  void* act;        // [slots * T, I]: row s * T + t = token t through slot s's expert (written where taken)
+  void* out;        // [T, D]
+  int64_t dim, inter;
+  int n_tokens, topk, n_experts;
+  float limit;
+  bool prefetch_down;  // the up kernel's CTAs prefetch the down kernel's first slot into L2 as they finish
+};
+
+struct TinyPlan {
+  int n_slots;
+  int expert[kTinyMaxSlots];                         // -1: the shared expert (slot 0 when given)
+  uint32_t mask[kTinyMaxSlots];                      // bit t: token t takes the slot's expert
+  float w[kTinyMaxSlots][moe_tiny_max_tokens];       // token t's routing weight of it (repeats summed), else 0
+};
+
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+
+// 16 bytes global -> shared, zero-filled when !valid (src is then not read).
+__device__ __forceinline__ void cp_async16(uint4* dst, const void* src, bool valid, uint64_t policy) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(d), "l"(src),
+               "r"(valid ? 16 : 0), "l"(policy)
+               : "memory");
+}
+
+// The same with the default L2 policy (operands other CTAs read too).
+__device__ __forceinline__ void cp_async16(uint4* dst, const void* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Run by one warp. Slots in a fixed order (the shared expert, then routed experts by first appearance in ids), so
+// every CTA of both kernels derives the same plan; the weighted sums run in that order: deterministic.
+__device__ __forceinline__ void tiny_plan(const TinyArgs& a, TinyPlan& p, int* pair_expert, int lane) {
+  const int T = a.n_tokens, k = a.topk, P = T * k;
+  const bool shared = a.sg != nullptr;
+  int e[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int i = lane + 32 * h;
+    e[h] = -1;
+    if (i < P) {
+      const int v = __ldcg(a.ids + i);
+      e[h] = static_cast<unsigned>(v) < static_cast<unsigned>(a.n_experts) ? v : -1;  // else no weight
+      pair_expert[i] = e[h];
+    }
+  }
+  __syncwarp();
+  bool first[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int i = lane + 32 * h;
+    first[h] = e[h] >= 0;
+    for (int j = 0; j < i && first[h]; ++j) first[h] = pair_expert[j] != e[h];
+  }
+  const uint32_t m0 = __ballot_sync(0xffffffffu, first[0]), m1 = __ballot_sync(0xffffffffu, first[1]);
+  const uint32_t below = (1u << lane) - 1u;
+  const int base = shared ? 1 : 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (!first[h]) continue;
+    const int s = base + (h == 0 ? __popc(m0 & below) : __popc(m0) + __popc(m1 & below));
+    uint32_t mask = 0;
+    p.expert[s] = e[h];
+    for (int t = 0; t < moe_tiny_max_tokens; ++t) {
+      float w = 0.0f;
+      if (t < T) {
+        for (int j = 0; j < k; ++j) {
+          if (pair_expert[t * k + j] == e[h]) {
+            w += __ldcg(a.weights + t * k + j);
+            mask |= 1u << t;
+          }
+        }
+      }
+      p.w[s][t] = w;
+    }
+    p.mask[s] = mask;
+  }
+  if (lane == 0) {
+    p.n_slots = base + __popc(m0) + __popc(m1);
+    if (shared) {
+      p.expert[0] = -1;
+      p.mask[0] = (1u << T) - 1u;
+      for (int t = 0; t < moe_tiny_max_tokens; ++t) p.w[0][t] = t < T ? 1.0f : 0.0f;
+    }
+  }
+}
+
+// Position of an item: slot s, item r of the slot, ring stage (items advance in that order; no divisions).
+struct TinyCursor {
+  int s = 0, r = 0, stage = 0;
+  __device__ __forceinline__ void next(int per_slot) {
+    if (++r == per_slot) {
+      r = 0;
+      ++s;
+    }
+    if (++stage == kTinyStages) stage = 0;
+  }
+};
+
+__device__ __forceinline__ uint4* tiny_stage(uint4* ring, int stage) {
+  return ring + stage * kTinyWords * kTinyThreads + threadIdx.x;
+}
+
+__device__ __forceinline__ int tiny_chunk(int r, int warp) { return (r * kTinyWarps + warp) * kTinyU; }
+
+// This warp's item at cursor q: chunks [kb, kb + kTinyU) of rows ra and rb (lane offsets applied) into its stage.
+template <typename T>
+__device__ __forceinline__ void tiny_issue_rows(uint4* ring, const TinyCursor& q, int warp, int nk, const T* ra,
+                                                const T* rb, uint64_t policy) {
+  uint4* st = tiny_stage(ring, q.stage);
+  const int kb = tiny_chunk(q.r, warp);
+#pragma unroll
+  for (int u = 0; u < kTinyU; ++u) {
+    const bool ok = kb + u < nk;
+    cp_async16(st + u * kTinyThreads, ok ? ra + (kb + u) * kChunk : ra, ok, policy);
+    cp_async16(st + (kTinyU + u) * kTinyThreads, ok ? rb + (kb + u) * kChunk : rb, ok, policy);
+  }
+}
+
+// The same chunks of the lane's token operand row (null: the lane's column is not taken; the reader uses zeros).
+template <typename T>
+__device__ __forceinline__ void tiny_issue_operand(uint4* ring, const TinyCursor& q, int warp, int nk, const T* rowb) {
+  if (rowb == nullptr) return;
+  uint4* st = tiny_stage(ring, q.stage) + 2 * kTinyU * kTinyThreads;
+  const int kb = tiny_chunk(q.r, warp);
+#pragma unroll
+  for (int u = 0; u < kTinyU; ++u) {
+    if (kb + u < nk) cp_async16(st + u * kTinyThreads, rowb + (kb + u) * kChunk);
+  }
+}
+
+// Item at cursor q from the ring: rows a and b, and the operand (zeros where not taken or past the last chunk).
+__device__ __forceinline__ void tiny_read(uint4* ring, const TinyCursor& q, int warp, int nk, bool taken,
+                                          uint4 (&wa)[kTinyU], uint4 (&wb)[kTinyU], uint4 (&bv)[kTinyU]) {
+  const uint4* st = tiny_stage(ring, q.stage);
+  const int kb = tiny_chunk(q.r, warp);
+#pragma unroll
+  for (int u = 0; u < kTinyU; ++u) {
+    wa[u] = st[u * kTinyThreads];
+    wb[u] = st[(kTinyU + u) * kTinyThreads];
+    bv[u] = (taken && kb + u < nk) ? st[(2 * kTinyU + u) * kTinyThreads] : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Gate row (ra) and up row (rb) of channel i of expert e (-1: the shared expert), at lane column offset c * 8.
+template <typename T>
+__device__ __forceinline__ void tiny_up_rows(const TinyArgs& a, int e, int64_t i, int c, const T*& ra,
+                                             const T*& rb) {
+  const int64_t D = a.dim, I = a.inter;
+  if (e < 0) {
+    ra = static_cast<const T*>(a.sg) + i * D;
+    rb = static_cast<const T*>(a.su) + i * D;
+  } else {
+    ra = static_cast<const T*>(a.w13) + (static_cast<int64_t>(e) * 2 * I + i) * D;
+    rb = ra + I * D;
+  }
+  ra += c * 8;
+  rb += c * 8;
+}
+
+template <typename T>
+__device__ __forceinline__ const T* tiny_down_base(const TinyArgs& a, int e) {
+  return e < 0 ? static_cast<const T*>(a.sd) : static_cast<const T*>(a.w2) + static_cast<int64_t>(e) * a.dim * a.inter;
+}
+
+// Ring protocol of both kernels: the weight copies of the first kTinyStages - 1 items may go out before the wait
+// for the predecessor kernel (one group each), their operand copies after it (one more group); the first iteration
+// waits for every group, later ones for all but the kTinyStages - 2 newest (item it + 1 .. it + kTinyStages - 2).
+template <typename T>
+__global__ void __launch_bounds__(kTinyThreads, 2) moe_up_tiny_kernel(const TinyArgs a) {
+  extern __shared__ uint4 ring[];
+  __shared__ TinyPlan plan;
+  __shared__ int pair_expert[moe_tiny_max_pairs];
+  __shared__ float4 red[2][kTinyWarps][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int64_t D = a.dim, I = a.inter;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * 8 + g;
+  const int nk = static_cast<int>(D / kChunk);
+  const int per_slot = (nk + kTinyWarps * kTinyU - 1) / (kTinyWarps * kTinyU);
+  const uint64_t policy = evict_first_policy();
+  // operand: lane (g, c) holds token g's columns of x (the same for every slot); lanes past the last token none
+  const bool has_tok = g < a.n_tokens;
+  const T* xg = has_tok ? static_cast<const T*>(a.x) + static_cast<int64_t>(g) * D + c * 8 : nullptr;
+  const T* ra = nullptr;
+  const T* rb = nullptr;
+  int rows_slot = -1, issued = 0;
+  TinyCursor iss;  // the next item to copy
+  if (a.sg != nullptr) {  // slot 0 needs no plan: its first rows stream in while the previous kernel drains
+    tiny_up_rows<T>(a, -1, i, c, ra, rb);
+    rows_slot = 0;
+    for (; issued < kTinyStages - 1 && iss.s == 0; ++issued, iss.next(per_slot)) {
+      tiny_issue_rows<T>(ring, iss, warp, nk, ra, rb, policy);
+      cp_async_commit();
+    }
+  }
+  pdl_wait();
+  pdl_trigger();
+  {  // x is the predecessor's output: the operands of the items already copied go now
+    TinyCursor q;
+    for (int p = 0; p < issued; ++p, q.next(per_slot)) tiny_issue_operand<T>(ring, q, warp, nk, xg);
+    cp_async_commit();
+  }
+  if (warp == 0) tiny_plan(a, plan, pair_expert, lane);
+  __syncthreads();
+  const int n_slots = plan.n_slots, n_items = n_slots * per_slot;
+  auto issue = [&]() {
+    if (iss.s < n_slots) {
+      if (iss.s != rows_slot) {
+        tiny_up_rows<T>(a, plan.expert[iss.s], i, c, ra, rb);
+        rows_slot = iss.s;
+      }
+      tiny_issue_rows<T>(ring, iss, warp, nk, ra, rb, policy);
+      tiny_issue_operand<T>(ring, iss, warp, nk, xg);
+    }
+    cp_async_commit();  // an empty group past the end keeps the wait count uniform
+    iss.next(per_slot);
+  };
+  for (; issued < kTinyStages - 1; ++issued) issue();
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  TinyCursor cur;
+  for (int it = 0; it < n_items; ++it) {
+    const int s = cur.s;
+    if (a.prefetch_down && cur.r == 0 && s == n_slots - 1 && threadIdx.x < 16) {
+      // the down kernel's first slot, its rows of the tiles b = blockIdx.x (mod gridDim.x), into L2
+      const T* base = tiny_down_base<T>(a, plan.expert[0]);
+      for (int64_t b = blockIdx.x; b < D / 16; b += gridDim.x) {
+        prefetch_l2(base + (b * 16 + threadIdx.x) * I, static_cast<uint32_t>(I * sizeof(T)));
+      }
+    }
+    if (it == 0) {
+      cp_async_wait<0>();
+    } else {
+      cp_async_wait<kTinyStages - 2>();  // this thread's copies of item it have landed
+    }
+    uint4 wa[kTinyU], wb[kTinyU], bv[kTinyU];
+    tiny_read(ring, cur, warp, nk, has_tok, wa, wb, bv);
+    issue();  // into the stage item it - 1 used
+#pragma unroll
+    for (int u = 0; u < kTinyU; ++u) mma_chunk<T>(acc, wa[u], wb[u], bv[u]);
+    if (cur.r == per_slot - 1) {  // slot s done: reduce over the warps (two buffers: one barrier per slot)
+      red[s & 1][warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+      __syncthreads();
+      if (warp == s % kTinyWarps) {
+        float h[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int w = 0; w < kTinyWarps; ++w) {  // fixed order: deterministic
+          const float4 v = red[s & 1][w][lane];
+          h[0] += v.x;
+          h[1] += v.y;
+          h[2] += v.z;
+          h[3] += v.w;
+        }
+        // lane (g, c): gate (h0, h1) and up (h2, h3) of channel i for tokens 2c and 2c + 1
+        const uint32_t m = plan.mask[s];
+        const int t0 = 2 * c;
+        T* act = static_cast<T*>(a.act) + static_cast<int64_t>(s) * a.n_tokens * I + i;
+        if ((m >> t0) & 1u) act[t0 * I] = Num<T>::from_float(clamped_swiglu<T>(h[0], h[2], a.limit));
+        if ((m >> (t0 + 1)) & 1u) act[(t0 + 1) * I] = Num<T>::from_float(clamped_swiglu<T>(h[1], h[3], a.limit));
+      }
+    }
+    cur.next(per_slot);
+  }
+  cp_async_wait<0>();
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kTinyThreads, 2) moe_down_tiny_kernel(const TinyArgs a) {
+  extern __shared__ uint4 ring[];
+  __shared__ TinyPlan plan;
+  __shared__ int pair_expert[moe_tiny_max_pairs];
+  __shared__ float4 red[kTinyWarps][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int64_t D = a.dim, I = a.inter;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * 16;
+  const int nk = static_cast<int>(I / kChunk);
+  const int per_slot = (nk + kTinyWarps * kTinyU - 1) / (kTinyWarps * kTinyU);
+  const uint64_t policy = evict_first_policy();
+  // ids and weights were complete before the up kernel let this grid start (each of its CTAs waited for them
+  // before its launch_dependents), so the plan and the first weight copies go ahead of the wait for act.
+  if (warp == 0) tiny_plan(a, plan, pair_expert, lane);
+  __syncthreads();
+  const int n_slots = plan.n_slots, n_items = n_slots * per_slot;
+  // operand: lane (g, c) holds token g's activation through the item's slot, where token g takes that slot
+  const T* act = static_cast<const T*>(a.act) + static_cast<int64_t>(g) * I + c * 8;
+  auto taken = [&](const TinyCursor& q) { return q.s < n_slots && ((plan.mask[q.s] >> g) & 1u) != 0; };
+  auto operand = [&](const TinyCursor& q) -> const T* {
+    return taken(q) ? act + static_cast<int64_t>(q.s) * a.n_tokens * I : nullptr;
+  };
+  const T* ra = nullptr;
+  const T* rb = nullptr;
+  int rows_slot = -1;
+  TinyCursor iss;
+  auto issue_rows = [&]() {
+    if (iss.s < n_slots) {
+      if (iss.s != rows_slot) {
+        ra = tiny_down_base<T>(a, plan.expert[iss.s]) + (r0 + g) * I + c * 8;
+        rb = ra + 8 * I;
+        rows_slot = iss.s;
+      }
+      tiny_issue_rows<T>(ring, iss, warp, nk, ra, rb, policy);
+    }
+  };
+  for (int p = 0; p < kTinyStages - 1; ++p, iss.next(per_slot)) {
+    issue_rows();
+    cp_async_commit();
+  }
+  pdl_wait();
+  pdl_trigger();
+  {  // act is the up kernel's output: the operands of the items already copied go now
+    TinyCursor q;
+    for (int p = 0; p < kTinyStages - 1; ++p, q.next(per_slot)) tiny_issue_operand<T>(ring, q, warp, nk, operand(q));
+    cp_async_commit();
+  }
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  TinyCursor cur;
+  for (int it = 0; it < n_items; ++it) {
+    if (it == 0) {
+      cp_async_wait<0>();
+    } else {
+      cp_async_wait<kTinyStages - 2>();
+    }
+    uint4 wa[kTinyU], wb[kTinyU], bv[kTinyU];
+    tiny_read(ring, cur, warp, nk, taken(cur), wa, wb, bv);
+    issue_rows();
+    tiny_issue_operand<T>(ring, iss, warp, nk, operand(iss));
+    cp_async_commit();
+    iss.next(per_slot);
+#pragma unroll
+    for (int u = 0; u < kTinyU; ++u) mma_chunk<T>(acc, wa[u], wb[u], bv[u]);
+    if (cur.r == per_slot - 1) {  // slot done: add its weighted rows (lane (g, c): rows g, g + 8; tokens 2c, 2c + 1)
+      const float w0 = plan.w[cur.s][2 * c], w1 = plan.w[cur.s][2 * c + 1];
+      o[0] = fmaf(w0, acc[0], o[0]);
+      o[1] = fmaf(w1, acc[1], o[1]);
+      o[2] = fmaf(w0, acc[2], o[2]);
+      o[3] = fmaf(w1, acc[3], o[3]);
+      acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+    }
+    cur.next(per_slot);
+  }
+  cp_async_wait<0>();
+  red[warp][lane] = make_float4(o[0], o[1], o[2], o[3]);
+  __syncthreads();
+  if (warp == 0) {
+    float h[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int w = 0; w < kTinyWarps; ++w) {
+      const float4 v = red[w][lane];
+      h[0] += v.x;
+      h[1] += v.y;
+      h[2] += v.z;
+      h[3] += v.w;
+    }
+    T* out = static_cast<T*>(a.out) + r0 + g;
+    const int t0 = 2 * c;
+    if (t0 < a.n_tokens) {
+      out[t0 * D] = Num<T>::from_float(h[0]);
+      out[t0 * D + 8] = Num<T>::from_float(h[2]);
+    }
+    if (t0 + 1 < a.n_tokens) {
+      out[(t0 + 1) * D] = Num<T>::from_float(h[1]);
+      out[(t0 + 1) * D + 8] = Num<T>::from_float(h[3]);
+    }
   }
 }
 
@@ -604,19 +1158,20 @@ __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
   for (int j = 0; j < 8; ++j) f[j] = Num<T>::to_float(p[j]);
 }
 
-// act[p, :] = clamped SwiGLU(h[p, :I], h[p, I:]) for p < n_pairs; 8 channels a thread (I % 8 == 0, 16-byte rows).
+// act[p, :] = clamped SwiGLU(gate[p, :], up[p, :]) for p < n_rows; 8 channels a thread (I % 8 == 0, 16-byte rows).
 template <typename T>
-__global__ void __launch_bounds__(256) moe_act_kernel(const T* h, int64_t h_stride, T* __restrict__ act,
-                                                      int64_t n_pairs, int64_t inter, float limit) {
+__global__ void __launch_bounds__(256) moe_act_kernel(const T* gate, const T* up, int64_t h_stride,
+                                                      T* __restrict__ act, int64_t n_rows, int64_t inter,
+                                                      float limit) {
   pdl_wait();
   pdl_trigger();
-  const int64_t per_row = inter / 8, total = n_pairs * per_row;
+  const int64_t per_row = inter / 8, total = n_rows * per_row;
   for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < total;
        v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t p = v / per_row, i = (v - p * per_row) * 8;
     float gf[8], uf[8];
-    unpack8<T>(ld_coherent(h + p * h_stride + i), gf);
-    unpack8<T>(ld_coherent(h + p * h_stride + inter + i), uf);
+    unpack8<T>(ld_coherent(gate + p * h_stride + i), gf);
+    unpack8<T>(ld_coherent(up + p * h_stride + i), uf);
     uint4 o;
     T* op = reinterpret_cast<T*>(&o);
 #pragma unroll
@@ -651,9 +1206,11 @@ __device__ __forceinline__ void load8<__half>(const __half* p, float (&f)[8]) {
   unpack8<__half>(ld_coherent(p), f);
 }
 
-// out[t, d] = sum_j weights[t, j] * y[pos_of[t, j], d] (fp32, j ascending); grid (T, ceil(D / 1024)).
+// out[t, d] = sum_j weights[t, j] * y[pos_of[t, j], d] (+ shared_y[t, d]) (fp32, j ascending, the shared expert
+// last); grid (T, ceil(D / 1024)).
 template <typename T, typename Y>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const Y* y, int64_t y_stride,
+                                                                      const Y* shared_y, int64_t shared_stride,
                                                                       const float* __restrict__ weights,
                                                                       const int32_t* pos_of, T* __restrict__ out,
                                                                       int64_t dim, int topk, bool vec) {
@@ -663,11 +1220,18 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const Y* y
   const int64_t d = (static_cast<int64_t>(blockIdx.y) * kCombineThreads + threadIdx.x) * 8;
   if (d >= dim) return;
   float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  for (int j = 0; j < topk; ++j) {
-    const int p = pos_of[t * topk + j];
-    if (p < 0) continue;  // id outside [0, E): no contribution, as in the reference
-    const float w = weights[t * topk + j];
-    const Y* row = y + p * y_stride + d;
+  for (int j = 0; j <= topk; ++j) {
+    const Y* row;
+    float w = 1.0f;
+    if (j == topk) {  // the shared expert, weight 1
+      if (shared_y == nullptr) break;
+      row = shared_y + t * shared_stride + d;
+    } else {
+      const int p = pos_of[t * topk + j];
+      if (p < 0) continue;  // id outside [0, E): no contribution, as in the reference
+      w = weights[t * topk + j];
+      row = y + p * y_stride + d;
+    }
     if (vec) {
       float v[8];
       load8<Y>(row, v);
@@ -701,23 +1265,29 @@ cudaError_t with_dtype(int dtype, F&& f) {
   }
 }
 
+int64_t n_slots(const MoeExpertsArgs& a) {
+  const int64_t pairs = a.n_tokens * a.topk;
+  return pairs < a.n_experts ? pairs : a.n_experts;
+}
+
 GemvArgs gemv_args(const MoeExpertsArgs& a, void* act, float* y) {
   GemvArgs g{};
   g.x = a.x;
   g.w13 = a.w13;
   g.w2 = a.w2;
+  g.sg = a.shared_gate;
+  g.su = a.shared_up;
+  g.sd = a.shared_down;
   g.act = act;
   g.y = y;
   g.plan = a.plan;
   g.dim = a.dim;
   g.inter = a.inter;
+  g.n_tokens = static_cast<int>(a.n_tokens);
+  g.n_pairs = static_cast<int>(a.n_tokens * a.topk);
+  g.n_slots = static_cast<int>(n_slots(a));
   g.limit = a.limit;
   return g;
-}
-
-int64_t n_slots(const MoeExpertsArgs& a) {
-  const int64_t pairs = a.n_tokens * a.topk;
-  return pairs < a.n_experts ? pairs : a.n_experts;
 }
 
 template <typename T, int NG, int U>
@@ -741,6 +1311,18 @@ MoePlan moe_plan_views(int32_t* workspace, int64_t n_experts, int64_t n_pairs) {
   p.pair_tok = p.slot_off + slots + 1;
   p.pos_of = p.pair_tok + n_pairs;
   return p;
+}
+
+cudaError_t moe_gate_launch(const void* x, int dtype, const float* weight, int64_t n_tokens, int64_t dim,
+                            int64_t n_experts, float* logits, cudaStream_t stream, bool pdl) {
+  if (n_tokens < 1 || n_tokens > moe_gate_max_tokens || dim % 8 != 0) return cudaErrorInvalidValue;
+  const int rows = kGateThreads / kGateRowThreads;
+  const dim3 grid(static_cast<unsigned>((n_experts + rows - 1) / rows));
+  return with_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    return launch(moe_gate_kernel<T>, grid, dim3(kGateThreads), 0, stream, pdl, static_cast<const T*>(x), weight,
+                  logits, static_cast<int>(n_tokens), dim, n_experts);
+  });
 }
 
 cudaError_t moe_route_launch(const float* logits, const void* bias, bool bias_bf16, int64_t n_tokens, int n_experts,
@@ -777,9 +1359,9 @@ cudaError_t moe_plan_launch(const MoeExpertsArgs& a, cudaStream_t stream) {
                 n_pairs, a.topk, a.n_experts, static_cast<int>(n_slots(a)), a.plan);
 }
 
-cudaError_t moe_act_launch(const MoeExpertsArgs& a, const void* h, int64_t h_stride, void* act, int64_t n_pairs,
-                           cudaStream_t stream) {
-  const int64_t vecs = n_pairs * (a.inter / 8);
+cudaError_t moe_act_launch(const MoeExpertsArgs& a, const void* gate, const void* up, int64_t h_stride, void* act,
+                           int64_t n_rows, cudaStream_t stream) {
+  const int64_t vecs = n_rows * (a.inter / 8);
   int64_t blocks = (vecs + 255) / 256;
   const int64_t cap = static_cast<int64_t>(num_sms()) * 8;
   blocks = blocks < cap ? blocks : cap;
@@ -787,32 +1369,80 @@ cudaError_t moe_act_launch(const MoeExpertsArgs& a, const void* h, int64_t h_str
   return with_dtype(a.dtype, [&](auto tag) {
     using T = decltype(tag);
     return launch(moe_act_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, stream, a.pdl,
-                  static_cast<const T*>(h), h_stride, static_cast<T*>(act), n_pairs, a.inter, a.limit);
+                  static_cast<const T*>(gate), static_cast<const T*>(up), h_stride, static_cast<T*>(act), n_rows,
+                  a.inter, a.limit);
   });
 }
 
 cudaError_t moe_combine_launch(const MoeExpertsArgs& a, const void* y, bool y_f32, int64_t y_stride,
-                               cudaStream_t stream) {
+                               const void* shared_y, int64_t shared_stride, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(a.n_tokens),
                   static_cast<unsigned>((a.dim + 8 * kCombineThreads - 1) / (8 * kCombineThreads)));
-  const bool vec = a.dim % 8 == 0 && y_stride % 8 == 0;
+  const bool vec = a.dim % 8 == 0 && y_stride % 8 == 0 && (shared_y == nullptr || shared_stride % 8 == 0);
   return with_dtype(a.dtype, [&](auto tag) {
     using T = decltype(tag);
     if (y_f32) {
       return launch(moe_combine_kernel<T, float>, grid, dim3(kCombineThreads), 0, stream, a.pdl,
-                    static_cast<const float*>(y), y_stride, a.weights, static_cast<const int32_t*>(a.plan.pos_of),
-                    static_cast<T*>(a.out), a.dim, a.topk, vec);
+                    static_cast<const float*>(y), y_stride, static_cast<const float*>(shared_y), shared_stride,
+                    a.weights, static_cast<const int32_t*>(a.plan.pos_of), static_cast<T*>(a.out), a.dim, a.topk,
+                    vec);
     }
     return launch(moe_combine_kernel<T, T>, grid, dim3(kCombineThreads), 0, stream, a.pdl, static_cast<const T*>(y),
-                  y_stride, a.weights, static_cast<const int32_t*>(a.plan.pos_of), static_cast<T*>(a.out), a.dim,
-                  a.topk, vec);
+                  y_stride, static_cast<const T*>(shared_y), shared_stride, a.weights,
+                  static_cast<const int32_t*>(a.plan.pos_of), static_cast<T*>(a.out), a.dim, a.topk, vec);
+  });
+}
+
+cudaError_t moe_experts_tiny_launch(const MoeExpertsArgs& a, void* act, cudaStream_t stream) {
+  TinyArgs t{};
+  t.x = a.x;
+  t.w13 = a.w13;
+  t.w2 = a.w2;
+  t.sg = a.shared_gate;
+  t.su = a.shared_up;
+  t.sd = a.shared_down;
+  t.weights = a.weights;
+  t.ids = a.ids;
+  t.act = act;
+  t.out = a.out;
+  t.dim = a.dim;
+  t.inter = a.inter;
+  t.n_tokens = static_cast<int>(a.n_tokens);
+  t.topk = a.topk;
+  t.n_experts = a.n_experts;
+  t.limit = a.limit;
+  t.prefetch_down = a.tiny_prefetch;
+  if (a.n_tokens > moe_tiny_max_tokens || a.n_tokens * a.topk > moe_tiny_max_pairs) return cudaErrorInvalidValue;
+  return with_dtype(a.dtype, [&](auto tag) -> cudaError_t {
+    using T = decltype(tag);
+    if constexpr (sizeof(T) == 2) {
+      const dim3 block(kTinyThreads);
+      // 2 CTAs of ~107 KiB shared memory a multiprocessor: the whole carveout for shared memory
+      for (const void* k : {reinterpret_cast<const void*>(moe_up_tiny_kernel<T>),
+                            reinterpret_cast<const void*>(moe_down_tiny_kernel<T>)}) {
+        cudaError_t err = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(kTinySmem));
+        if (err == cudaSuccess) {
+          err = cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     static_cast<int>(cudaSharedmemCarveoutMaxShared));
+        }
+        if (err != cudaSuccess) return err;
+      }
+      cudaError_t err;
+      err = launch(moe_up_tiny_kernel<T>, dim3(static_cast<unsigned>(a.inter / 8)), block, kTinySmem, stream, a.pdl, t);
+      if (err != cudaSuccess) return err;
+      return launch(moe_down_tiny_kernel<T>, dim3(static_cast<unsigned>(a.dim / 16)), block, kTinySmem, stream, a.pdl,
+                    t);
+    }
+    return cudaErrorInvalidValue;
   });
 }
 
 cudaError_t moe_experts_small_launch(const MoeExpertsArgs& a, void* act, float* y, bool tensor_cores,
                                      cudaStream_t stream) {
   const GemvArgs g = gemv_args(a, act, y);
-  const unsigned slots = static_cast<unsigned>(n_slots(a));
+  const bool shared = a.shared_gate != nullptr;
+  const unsigned slots = static_cast<unsigned>(n_slots(a) + (shared ? 1 : 0));
   cudaError_t err = moe_plan_launch(a, stream);
   if (err != cudaSuccess) return err;
   if (tensor_cores && a.dtype != kMoeF32) {
@@ -840,7 +1470,8 @@ cudaError_t moe_experts_small_launch(const MoeExpertsArgs& a, void* act, float* 
     });
   }
   if (err != cudaSuccess) return err;
-  return moe_combine_launch(a, y, true, a.dim, stream);
+  const float* shared_y = shared ? y + a.n_tokens * a.topk * a.dim : nullptr;
+  return moe_combine_launch(a, y, true, a.dim, shared_y, a.dim, stream);
 }
 
 }  // namespace dsv4rt

@@ -10,6 +10,12 @@ namespace dsv4rt {
 // Element type of activations and expert weights.
 enum MoeDType : int { kMoeF32 = 0, kMoeBF16 = 1, kMoeF16 = 2 };
 
+// Router logits for a few tokens: logits [T, E] fp32 = x [T, D] (dtype, cast to fp32) . weight [E, D] fp32, one
+// launch, 2 rows a CTA, the weight loads issued before the wait for x. T <= moe_gate_max_tokens, D % 8 == 0.
+constexpr int moe_gate_max_tokens = 8;
+cudaError_t moe_gate_launch(const void* x, int dtype, const float* weight, int64_t n_tokens, int64_t dim,
+                            int64_t n_experts, float* logits, cudaStream_t stream, bool pdl);
+
 // Top-k router: logits [T, E] fp32; bias [E] fp32 (bias_bf16: bf16). weights [T, k] fp32, ids [T, k] int32.
 cudaError_t moe_route_launch(const float* logits, const void* bias, bool bias_bf16, int64_t n_tokens, int n_experts,
                              int topk, float scale, float* weights, int32_t* ids, cudaStream_t stream, bool pdl);
@@ -42,11 +48,15 @@ inline int64_t moe_plan_words(int64_t n_experts, int64_t n_pairs) {
 MoePlan moe_plan_views(int32_t* workspace, int64_t n_experts, int64_t n_pairs);
 
 // Everything a moe_experts path needs. Shapes: x [T, D]; w13 [E, 2I, D] (gate rows, then up rows); w2 [E, D, I];
-// weights [T, k] fp32; ids [T, k] int32; act [P, I] (dtype); y [P, D] fp32 (small paths); out [T, D] (dtype).
+// shared_gate, shared_up [I, D] and shared_down [D, I] (the shared expert, weight 1 for every token; all three
+// null when absent); weights [T, k] fp32; ids [T, k] int32; out [T, D] (dtype).
 struct MoeExpertsArgs {
   const void* x;
   const void* w13;
   const void* w2;
+  const void* shared_gate;
+  const void* shared_up;
+  const void* shared_down;
   const float* weights;
   const int32_t* ids;
   void* out;
@@ -59,22 +69,39 @@ struct MoeExpertsArgs {
   float limit;
   int dtype;  // MoeDType
   bool pdl;   // programmatic dependent launches (overlap each kernel's start with its predecessor's tail)
+  bool tiny_prefetch;  // tiny path: the gate/up kernel prefetches the down kernel's first expert into L2
 };
 
+// Tiny batches (T <= moe_tiny_max_tokens, T * k <= moe_tiny_max_pairs, bf16/fp16, D and I multiples of 32; the
+// binding sends batches here only up to its kTinyTokens / DSV4RT_MOE_TINY): two
+// launches and no plan kernel. Every CTA derives the plan (distinct experts, per-token weights) from ids itself;
+// the gate/up kernel loops over all chosen experts for its 8 channels, the down kernel over all of them for its 16
+// output rows and writes out directly (the weighted combine folded in). act: [(min(E, P) + shared) * T, I] scratch.
+constexpr int moe_tiny_max_tokens = 8;
+constexpr int moe_tiny_max_pairs = 64;
+inline int64_t moe_tiny_act_rows(int64_t n_experts, int64_t n_tokens, int64_t topk, bool shared) {
+  const int64_t pairs = n_tokens * topk;
+  return ((n_experts < pairs ? n_experts : pairs) + (shared ? 1 : 0)) * n_tokens;
+}
+cudaError_t moe_experts_tiny_launch(const MoeExpertsArgs& a, void* act, cudaStream_t stream);
+
 // Small batches: plan, then the gate/up GEMV + activation and the down GEMV over the chosen experts only (each
-// chosen expert's weights read once per 8 * groups tokens), then the weighted combine. act: [P, I] dtype, y: [P, D]
-// fp32 scratch. tensor_cores: mma path (bf16/fp16, D and I multiples of 32); otherwise a plain fp32-FMA path.
+// chosen expert's weights read once per 8 * groups tokens; the shared expert is one more slot holding every token),
+// then the weighted combine. act: [P + T_shared, I] dtype, y: [P + T_shared, D] fp32 scratch (T_shared = T with a
+// shared expert, else 0; its rows follow the P routed pairs). tensor_cores: mma path (bf16/fp16, D and I multiples
+// of 32); otherwise a plain fp32-FMA path.
 cudaError_t moe_experts_small_launch(const MoeExpertsArgs& a, void* act, float* y, bool tensor_cores,
                                      cudaStream_t stream);
 
-// Large batches (grouped GEMMs run by the binding between these launches):
+// Large batches (grouped GEMMs, and the shared expert's plain GEMMs, run by the binding between these launches):
 //   moe_plan_launch:   the routing plan;
-//   moe_act_launch:    act[p] = clamped SwiGLU of h[p] (h [P, 2I], row stride h_stride) for every p < P;
-//   moe_combine_launch: out[t] = sum_j weights[t, j] * y[pos_of[t, j]] (y [P, D] of dtype, row stride y_stride).
+//   moe_act_launch:    act[p] = clamped SwiGLU of (gate[p], up[p]) (row stride h_stride, elements) for p < n_rows;
+//   moe_combine_launch: out[t] = sum_j weights[t, j] * y[pos_of[t, j]] (+ shared_y[t] when not null) (y [P, D] and
+//                      shared_y [T, D] of dtype, row strides y_stride and shared_stride).
 cudaError_t moe_plan_launch(const MoeExpertsArgs& a, cudaStream_t stream);
-cudaError_t moe_act_launch(const MoeExpertsArgs& a, const void* h, int64_t h_stride, void* act, int64_t n_pairs,
-                           cudaStream_t stream);
+cudaError_t moe_act_launch(const MoeExpertsArgs& a, const void* gate, const void* up, int64_t h_stride, void* act,
+                           int64_t n_rows, cudaStream_t stream);
 cudaError_t moe_combine_launch(const MoeExpertsArgs& a, const void* y, bool y_f32, int64_t y_stride,
-                               cudaStream_t stream);
+                               const void* shared_y, int64_t shared_stride, cudaStream_t stream);
 
 }  // namespace dsv4rt

@@ -186,15 +186,14 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor, token_ids: Tensor) -> Tensor:
         cfg = self.cfg
-        logits = F.linear(x.float(), self.gate.weight)
+        logits = moe.moe_gate(x, self.gate.weight)
         if self.is_hash:
             weights, ids = moe.moe_hash_route(logits, self.gate.tid2eid, token_ids, cfg.routed_scale)
         else:
             weights, ids = moe.moe_route(logits, self.gate.e_score_correction_bias, cfg.n_active, cfg.routed_scale)
-        routed = moe.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, cfg.swiglu_limit)
-        se = self.shared_experts
-        h = moe.clamped_swiglu(F.linear(x, se.gate_proj.weight), F.linear(x, se.up_proj.weight), cfg.swiglu_limit)
-        return routed + F.linear(h, se.down_proj.weight)
+        se = self.shared_experts  # read in place by the same op: no concatenated copy of its weights
+        return moe.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, cfg.swiglu_limit,
+                               se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight)
 
 
 class HyperConnection(nn.Module):

@@ -21,7 +21,7 @@ from . import attention, compressor, indexer, kv_quant, mhc, moe, rope, swa  # n
 OPS = (
     "swa_cache_write", "compressor_update", "indexer_topk", "sparse_attn",
     "kv_fp8_quantize", "kv_fp8_dequantize", "idx_fp4_quantize", "idx_fp4_dequantize",
-    "moe_route", "moe_hash_route", "moe_experts", "hc_pre", "hc_post", "hc_head",
+    "moe_gate", "moe_route", "moe_hash_route", "moe_experts", "hc_pre", "hc_post", "hc_head",
 )
 
 CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"

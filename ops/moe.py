@@ -1,7 +1,9 @@
-"""MoE family: top-k router (sqrt-softplus, bias for selection only), hash router, routed experts.
+"""MoE family: router logits (fp32 gate), top-k router (sqrt-softplus, bias for selection only), hash router,
+routed + shared experts.
 
 Routing weights come from the unbiased scores, renormalised over the chosen experts and multiplied
 by the routed scaling factor. Experts use the clamped SwiGLU: silu(min(g, L)) * clamp(u, -L, L).
+The shared expert (optional, its three projections as separate tensors) is added with weight 1 for every token.
 """
 from __future__ import annotations
 
@@ -9,13 +11,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+torch.library.define("dsv4rt::moe_gate", "(Tensor x, Tensor weight) -> Tensor")
 torch.library.define("dsv4rt::moe_route", "(Tensor logits, Tensor bias, int topk, float scale) -> (Tensor, Tensor)")
 torch.library.define(
     "dsv4rt::moe_hash_route", "(Tensor logits, Tensor tid2eid, Tensor token_ids, float scale) -> (Tensor, Tensor)"
 )
 torch.library.define(
-    "dsv4rt::moe_experts", "(Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor ids, float limit) -> Tensor"
+    "dsv4rt::moe_experts",
+    "(Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor ids, float limit, Tensor? shared_gate=None, "
+    "Tensor? shared_up=None, Tensor? shared_down=None) -> Tensor",
 )
+
+
+@torch.library.register_fake("dsv4rt::moe_gate")
+def _moe_gate_fake(x, weight):
+    torch._check(x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1])
+    torch._check(weight.dtype == torch.float32, lambda: "moe_gate: weight must be float32")
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
 @torch.library.register_fake("dsv4rt::moe_route")
@@ -33,10 +45,16 @@ def _moe_hash_route_fake(logits, tid2eid, token_ids, scale):
 
 
 @torch.library.register_fake("dsv4rt::moe_experts")
-def _moe_experts_fake(x, w13, w2, weights, ids, limit):
+def _moe_experts_fake(x, w13, w2, weights, ids, limit, shared_gate=None, shared_up=None, shared_down=None):
     torch._check(x.dim() == 2 and w13.dim() == 3 and w2.dim() == 3)
     torch._check(w13.shape[2] == x.shape[1] and w2.shape[1] == x.shape[1] and w13.shape[1] == 2 * w2.shape[2])
     torch._check(weights.shape == ids.shape and ids.shape[0] == x.shape[0])
+    shared = (shared_gate, shared_up, shared_down)
+    torch._check(all(t is None for t in shared) or all(t is not None for t in shared),
+                 lambda: "moe_experts: give all three shared-expert projections or none")
+    if shared_gate is not None:
+        d, i = x.shape[1], w2.shape[2]
+        torch._check(shared_gate.shape == (i, d) and shared_up.shape == (i, d) and shared_down.shape == (d, i))
     return torch.empty_like(x)
 
 
@@ -47,6 +65,11 @@ def sqrt_softplus(z: Tensor) -> Tensor:
 def _renorm(scores: Tensor, ids: Tensor, scale: float) -> Tensor:
     w = scores.gather(1, ids)
     return w / w.sum(-1, keepdim=True) * scale
+
+
+def moe_gate_ref(x: Tensor, weight: Tensor) -> Tensor:
+    """Router logits in fp32: x cast to fp32, times the fp32 gate weight."""
+    return F.linear(x.float(), weight)
 
 
 def moe_route_ref(logits: Tensor, bias: Tensor, topk: int, scale: float) -> tuple[Tensor, Tensor]:
@@ -68,8 +91,11 @@ def clamped_swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
 EXPERT_GROUP = 16  # experts per batched matmul in the reference: bounds its temporaries, keeps the trace short
 
 
-def moe_experts_ref(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor, limit: float) -> Tensor:
-    """Every expert on every token, weighted by its routing weight (0 where not chosen); fp32 accumulation."""
+def moe_experts_ref(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor, limit: float,
+                    shared_gate: Tensor | None = None, shared_up: Tensor | None = None,
+                    shared_down: Tensor | None = None) -> Tensor:
+    """Every routed expert on every token, weighted by its routing weight (0 where not chosen), fp32 accumulation,
+    rounded to x's dtype; then the shared expert added in x's dtype (three F.linear, as the model computed it)."""
     n_exp, two_i, _ = w13.shape
     inter = two_i // 2
     expert = torch.arange(n_exp, device=x.device)
@@ -81,12 +107,22 @@ def moe_experts_ref(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Te
         act = clamped_swiglu(h[..., :inter], h[..., inter:], limit)
         y = torch.einsum("eti,edi->etd", act, w2[g0:g1]).float()  # [G, T, D]
         out = out + (y * dense[:, g0:g1].t()[..., None]).sum(0)
-    return out.to(x.dtype)
+    routed = out.to(x.dtype)
+    if shared_gate is None:
+        return routed
+    h = clamped_swiglu(F.linear(x, shared_gate), F.linear(x, shared_up), limit)
+    return routed + F.linear(h, shared_down)
 
 
+torch.library.impl("dsv4rt::moe_gate", "CompositeExplicitAutograd", moe_gate_ref)
 torch.library.impl("dsv4rt::moe_route", "CompositeExplicitAutograd", moe_route_ref)
 torch.library.impl("dsv4rt::moe_hash_route", "CompositeExplicitAutograd", moe_hash_route_ref)
 torch.library.impl("dsv4rt::moe_experts", "CompositeExplicitAutograd", moe_experts_ref)
+
+
+def moe_gate(x: Tensor, weight: Tensor) -> Tensor:
+    """Router logits. Shapes: x [T, D] (any float dtype), weight [E, D] fp32 -> [T, E] fp32 (x cast to fp32 first)."""
+    return torch.ops.dsv4rt.moe_gate.default(x, weight)
 
 
 def moe_route(logits: Tensor, bias: Tensor, topk: int, scale: float) -> tuple[Tensor, Tensor]:
@@ -99,7 +135,12 @@ def moe_hash_route(logits: Tensor, tid2eid: Tensor, token_ids: Tensor, scale: fl
     return torch.ops.dsv4rt.moe_hash_route.default(logits, tid2eid, token_ids, scale)
 
 
-def moe_experts(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor, limit: float) -> Tensor:
-    """Routed experts. Shapes: x [T, D]; w13 [E, 2I, D] (gate rows then up rows); w2 [E, D, I];
-    weights [T, k] fp32; ids [T, k] int32. Returns [T, D] in x's dtype. Mutates: nothing."""
-    return torch.ops.dsv4rt.moe_experts.default(x, w13, w2, weights, ids, limit)
+def moe_experts(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor, limit: float,
+                shared_gate: Tensor | None = None, shared_up: Tensor | None = None,
+                shared_down: Tensor | None = None) -> Tensor:
+    """Routed experts, plus the shared expert (weight 1, every token) when its projections are given.
+
+    Shapes: x [T, D]; w13 [E, 2I, D] (gate rows then up rows); w2 [E, D, I]; weights [T, k] fp32; ids [T, k] int32
+    (ids outside [0, E) contribute nothing); shared_gate, shared_up [I, D] and shared_down [D, I] (the model's
+    separate weights, read in place: all three or none). Returns [T, D] in x's dtype. Mutates: nothing."""
+    return torch.ops.dsv4rt.moe_experts.default(x, w13, w2, weights, ids, limit, shared_gate, shared_up, shared_down)

@@ -291,8 +291,10 @@ def moe_hash_route_inputs(device, n_tokens: int = 7, seed: int = 0) -> tuple:
     return _to(device, logits, tid2eid, token_ids, ROUTED_SCALE)
 
 
-def moe_experts_inputs(device, dtype: torch.dtype = torch.bfloat16, n_tokens: int = 7, seed: int = 0) -> tuple:
-    """(x [T, D], w13 [E, 2I, D], w2 [E, D, I], weights [T, k] fp32, ids [T, k] int32, limit).
+def moe_experts_inputs(device, dtype: torch.dtype = torch.bfloat16, n_tokens: int = 7, seed: int = 0,
+                       shared: bool = False) -> tuple:
+    """(x [T, D], w13 [E, 2I, D], w2 [E, D, I], weights [T, k] fp32, ids [T, k] int32, limit), and with `shared`
+    the shared expert's (gate [I, D], up [I, D], down [D, I]) appended (separate tensors, as the model holds them).
 
     Projections have std ~6, so both clamps of the SwiGLU (|h| > 10) engage on a fair share of channels.
     """
@@ -303,7 +305,13 @@ def moe_experts_inputs(device, dtype: torch.dtype = torch.bfloat16, n_tokens: in
     ids = torch.stack([torch.randperm(N_EXPERTS, generator=gen)[:N_ACTIVE] for _ in range(n_tokens)]).int()
     w = torch.rand(n_tokens, N_ACTIVE, generator=gen) + 0.1
     weights = w / w.sum(-1, keepdim=True) * ROUTED_SCALE
-    return _to(device, x, w13, w2, weights, ids, SWIGLU_LIMIT)
+    args = (x, w13, w2, weights, ids, SWIGLU_LIMIT)
+    if shared:
+        gen_s = _gen(seed + 10_000)  # the routed inputs stay those of the same seed without `shared`
+        args += (_randn(gen_s, MOE_INTER, MOE_DIM, scale=6.0 * MOE_DIM**-0.5, dtype=dtype),
+                 _randn(gen_s, MOE_INTER, MOE_DIM, scale=6.0 * MOE_DIM**-0.5, dtype=dtype),
+                 _randn(gen_s, MOE_DIM, MOE_INTER, scale=MOE_INTER**-0.5, dtype=dtype))
+    return _to(device, *args)
 
 
 # ------------------------------------------------------------------------------------------ mhc

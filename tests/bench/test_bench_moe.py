@@ -1,23 +1,25 @@
 """MoE block (router + routed experts + shared expert), CUDA-graph replayed, Flash dims: hidden 4096, moe_inter 2048,
 256 routed experts, top-6, one shared expert, bf16 weights.
 
-Variants on the same weights (the shared expert stored as expert 256: w13 [257, 2I, D], w2 [257, D, I]):
-  * fused: gate linear (fp32) + moe_route + moe_experts over 7 choices, the 7th the shared expert with weight 1;
-  * experts: moe_experts alone on precomputed routing (the fused call minus the router);
-  * model: what dsv4rt/model.py does today: moe_experts over the 6 routed choices, then the shared expert through
-    three F.linear calls and clamped_swiglu, added;
-  * router: the fused call's routing alone (gate linear, moe_route, appending the shared expert's column).
+Weights as the model holds them: w13 [256, 2I, D], w2 [256, D, I], the shared expert's gate [I, D], up [I, D] and
+down [D, I] as three separate tensors, read in place by moe_experts. Variants:
+  * fused: what dsv4rt/model.py MoE.forward does: moe_gate (fp32 logits) + moe_route + moe_experts with the shared
+    projections (router + experts);
+  * experts: moe_experts alone (routed + shared) on precomputed routing (the fused call minus the router);
+  * router: the fused call's routing alone (moe_gate, moe_route); router_linear: the same with the former
+    F.linear(x.float(), gate) logits (a cast and a cuBLAS GEMV).
 Each benchmark captures REPEATS calls in one CUDA graph, cycling through several input sets so that successive calls
 choose other experts (no L2 reuse from one call to the next), and divides the replay time by REPEATS.
 Targets (issue 6), against ceilings measured in the same run:
-  * batch 1: within 1.25x of reading those 7 experts' weights at the copy bandwidth (1 GiB device copy);
+  * batch 1: within 1.25x of reading those 7 experts' weights (6 routed + shared) at the copy bandwidth (1 GiB copy);
   * batch 64: within 1.5x of reading the distinct experts the batch selects (the shared one included);
   * a 4,096-token chunk: >= 60% of the bf16 matmul rate (8192^3 torch.mm), at 2 * T * 7 * 3 * D * I FLOPs. Such a
     chunk also reads every expert's weights (24,576 routed pairs over 256 experts): that read at the copy bandwidth
     is printed as the chunk's other floor.
-The profile benchmark prints the kernels of one fused call (CUDA-graph replay under torch.profiler). The pdl
-benchmark compares the expert path with and without programmatic dependent launches.
-The crossover benchmark times both expert paths (GEMV kernels, grouped GEMMs) at sizes around the threshold.
+The knobs benchmark compares the expert op at small batches with its default settings, without programmatic launches,
+and on the opt-in tiny path (DSV4RT_MOE_TINY=8) with and without its L2 prefetch. The profile benchmark
+prints the kernels of one fused call (CUDA-graph replay under torch.profiler). The crossover benchmark times both
+expert paths (GEMV kernels, grouped GEMMs) at sizes around the threshold.
 Run: python -m pytest tests/bench/test_bench_moe.py --benchmark-only -s
 """
 from __future__ import annotations
@@ -28,15 +30,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4rt.ops.moe import clamped_swiglu, moe_experts, moe_route
+from dsv4rt.ops.moe import moe_experts, moe_gate, moe_route
 
 D, I, E, K = 4096, 2048, 256, 6
-SHARED = E
 SCALE, LIMIT = 1.5, 10.0
 EXPERT_BYTES = 3 * D * I * 2                       # gate, up and down rows of one expert, bf16
 TARGETS = {1: ("bandwidth", 1.25), 64: ("bandwidth", 1.5), 4096: ("matmul", 0.60)}
-INPUT_SETS = {1: 16, 8: 8, 64: 4, 256: 2, 512: 2, 1024: 2, 4096: 2}
-REPEATS = {1: 48, 8: 16, 64: 8, 256: 4, 512: 4, 1024: 2, 4096: 4}  # calls per graph: replay launch cost hidden
+INPUT_SETS = {1: 16, 2: 16, 4: 8, 8: 8, 64: 4, 256: 2, 512: 2, 1024: 2, 4096: 2}
+# calls per graph: replay launch cost hidden
+REPEATS = {1: 48, 2: 32, 4: 16, 8: 16, 64: 8, 256: 4, 512: 4, 1024: 2, 4096: 4}
 ROUNDS = 15
 RESULTS: list[str] = []
 
@@ -54,13 +56,17 @@ def _summary():
 
 @pytest.fixture(scope="module")
 def moe_weights():
+    """(w13, w2, (shared gate, up, down), router gate fp32, bias)."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    w13 = torch.randn(E + 1, 2 * I, D, generator=g, device="cuda", dtype=torch.bfloat16).mul_(6.0 * D**-0.5)
-    w2 = torch.randn(E + 1, D, I, generator=g, device="cuda", dtype=torch.bfloat16).mul_(I**-0.5)
+    w13 = torch.randn(E, 2 * I, D, generator=g, device="cuda", dtype=torch.bfloat16).mul_(6.0 * D**-0.5)
+    w2 = torch.randn(E, D, I, generator=g, device="cuda", dtype=torch.bfloat16).mul_(I**-0.5)
+    sg, su = (torch.randn(I, D, generator=g, device="cuda", dtype=torch.bfloat16).mul_(6.0 * D**-0.5)
+              for _ in range(2))
+    sd = torch.randn(D, I, generator=g, device="cuda", dtype=torch.bfloat16).mul_(I**-0.5)
     gate = torch.randn(E, D, generator=g, device="cuda").mul_(D**-0.5)
     bias = torch.randn(E, generator=g, device="cuda").mul_(0.1)
-    yield w13, w2, gate, bias
-    del w13, w2
+    yield w13, w2, (sg, su, sd), gate, bias
+    del w13, w2, sg, su, sd
     torch.cuda.empty_cache()
 
 
@@ -102,45 +108,39 @@ def _median_seconds(fn, rounds: int) -> float:
 
 
 def _route(x, gate, bias):
-    return moe_route(F.linear(x.float(), gate), bias, K, SCALE)
-
-
-def _with_shared(weights, ids):
-    t = ids.shape[0]
-    return (torch.cat([weights, weights.new_ones(t, 1)], 1), torch.cat([ids, ids.new_full((t, 1), SHARED)], 1))
+    return moe_route(moe_gate(x, gate), bias, K, SCALE)
 
 
 def _variant(name: str, wt):
-    w13, w2, gate, bias = wt
+    w13, w2, shared, gate, bias = wt
     if name == "fused":
         def fn(x, routing):
-            return moe_experts(x, w13, w2, *_with_shared(*_route(x, gate, bias)), LIMIT)
+            return moe_experts(x, w13, w2, *_route(x, gate, bias), LIMIT, *shared)
     elif name == "experts":
         def fn(x, routing):
-            return moe_experts(x, w13, w2, *routing, LIMIT)
+            return moe_experts(x, w13, w2, *routing, LIMIT, *shared)
     elif name == "router":
         def fn(x, routing):
-            return _with_shared(*_route(x, gate, bias))
-    elif name == "model":
-        sg, su, sd = w13[SHARED, :I], w13[SHARED, I:], w2[SHARED]
+            return _route(x, gate, bias)
+    elif name == "router_linear":
         def fn(x, routing):
-            routed = moe_experts(x, w13[:E], w2[:E], *_route(x, gate, bias), LIMIT)
-            return routed + F.linear(clamped_swiglu(F.linear(x, sg), F.linear(x, su), LIMIT), sd)
+            return moe_route(F.linear(x.float(), gate), bias, K, SCALE)
     else:
         raise ValueError(name)
     return fn
 
 
 def _inputs(tokens: int, wt):
-    """Input sets: (x [T, D] bf16, fused routing (weights [T, 7], ids [T, 7])), and the mean distinct experts."""
-    _, _, gate, bias = wt
+    """Input sets: (x [T, D] bf16, routing (weights [T, 6], ids [T, 6])), and the mean distinct experts read (the
+    routed ones the set chooses, plus the shared expert)."""
+    _, _, _, gate, bias = wt
     sets, distinct = [], []
     for seed in range(INPUT_SETS[tokens]):
         g = torch.Generator(device="cuda").manual_seed(1000 + seed)
         x = torch.randn(tokens, D, generator=g, device="cuda").to(torch.bfloat16)
-        routing = _with_shared(*_route(x, gate, bias))
+        routing = _route(x, gate, bias)
         sets.append((x, routing))
-        distinct.append(int(torch.unique(routing[1]).numel()))
+        distinct.append(int(torch.unique(routing[1]).numel()) + 1)
     return sets, statistics.mean(distinct)
 
 
@@ -166,7 +166,7 @@ def _time_call(fn, sets, repeats: int) -> tuple[torch.cuda.CUDAGraph, float]:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", ["fused", "experts", "router", "model"])
+@pytest.mark.parametrize("variant", ["fused", "experts", "router", "router_linear"])
 @pytest.mark.parametrize("tokens", [1, 64, 4096])
 def test_bench_moe(benchmark, moe_weights, copy_bandwidth, matmul_rate, tokens, variant):
     sets, distinct = _inputs(tokens, moe_weights)
@@ -174,7 +174,7 @@ def test_bench_moe(benchmark, moe_weights, copy_bandwidth, matmul_rate, tokens, 
     floor = distinct * EXPERT_BYTES / copy_bandwidth
     flops = 2 * tokens * (K + 1) * 3 * D * I
     kind, target = TARGETS[tokens]
-    if variant == "router":
+    if variant.startswith("router"):
         ratio, met, vs = per_call / floor, None, f"({per_call / floor:.2f}x the expert read floor)"
     elif kind == "bandwidth":
         ratio, met = per_call / floor, per_call / floor <= target
@@ -186,7 +186,7 @@ def test_bench_moe(benchmark, moe_weights, copy_bandwidth, matmul_rate, tokens, 
               f"(target >= {target:.0%}); weight-read floor {floor * 1e6:.0f} us = at most "
               f"{flops / floor / matmul_rate:.0%} of mm")
     verdict = "" if met is None else ("met; " if met else "NOT met; ")
-    line = (f"T={tokens:5d} {variant:8s} {per_call * 1e6:9.1f} us/call  {vs}  "
+    line = (f"T={tokens:5d} {variant:13s} {per_call * 1e6:9.1f} us/call  {vs}  "
             f"[{verdict}copy {copy_bandwidth / 1e12:.2f} TB/s]")
     RESULTS.append(line)
     print("\n" + line)
@@ -196,20 +196,32 @@ def test_bench_moe(benchmark, moe_weights, copy_bandwidth, matmul_rate, tokens, 
     benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=5, warmup_rounds=1)
 
 
+KNOBS = {  # name -> environment of csrc/moe.cpp at capture time
+    "default": {},
+    "no_pdl": {"DSV4RT_MOE_PDL": "0"},
+    "tiny": {"DSV4RT_MOE_TINY": "8"},
+    "tiny_no_prefetch": {"DSV4RT_MOE_TINY": "8", "DSV4RT_MOE_TINY_PREFETCH": "0"},
+}
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("pdl", ["1", "0"])
-@pytest.mark.parametrize("tokens", [1, 8, 64])
-def test_bench_moe_pdl(benchmark, moe_weights, copy_bandwidth, tokens, pdl, monkeypatch):
-    """Expert GEMV path with and without programmatic dependent launches (read when the graph is captured)."""
-    monkeypatch.setenv("DSV4RT_MOE_PDL", pdl)
+@pytest.mark.parametrize("knob", list(KNOBS))
+@pytest.mark.parametrize("tokens", [1, 2, 4, 8, 64])
+def test_bench_moe_knobs(benchmark, moe_weights, copy_bandwidth, tokens, knob, monkeypatch):
+    """The expert op with its default settings, without programmatic launches, and on the (opt-in) tiny path with
+    and without its L2 prefetch (the knobs are read when the graph is captured)."""
+    if tokens > 8 and knob.startswith("tiny"):
+        pytest.skip("the tiny path serves at most 8 tokens")
+    for k, v in KNOBS[knob].items():
+        monkeypatch.setenv(k, v)
     sets, distinct = _inputs(tokens, moe_weights)
     graph, per_call = _time_call(_variant("experts", moe_weights), sets, REPEATS[tokens])
     floor = distinct * EXPERT_BYTES / copy_bandwidth
-    line = (f"T={tokens:5d} experts  PDL={pdl} {per_call * 1e6:9.1f} us/call  {per_call / floor:.2f}x the "
-            f"{distinct:.1f}-expert read floor")
+    line = (f"T={tokens:5d} experts  {knob:16s} {per_call * 1e6:9.1f} us/call  {per_call / floor:.2f}x the "
+            f"{distinct:.1f}-expert read floor {floor * 1e6:.1f} us")
     RESULTS.append(line)
     print("\n" + line)
-    benchmark.extra_info.update(device=torch.cuda.get_device_name(), tokens=tokens, pdl=pdl,
+    benchmark.extra_info.update(device=torch.cuda.get_device_name(), tokens=tokens, knob=knob,
                                 us_per_call=per_call * 1e6, ratio=per_call / floor)
     benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=5, warmup_rounds=1)
 
@@ -234,7 +246,7 @@ def test_bench_moe_crossover(benchmark, moe_weights, copy_bandwidth, matmul_rate
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("tokens", [1, 4096])
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
 def test_bench_moe_profile(benchmark, moe_weights, tokens, monkeypatch):
     """Kernel times of the fused call (one input set, graph-replayed under torch.profiler), per call. Without
     programmatic launches: with them a kernel's time also covers its wait for the one before."""

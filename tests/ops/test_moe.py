@@ -1,11 +1,14 @@
-"""moe family: top-k router (bias for selection only), hash router, routed experts with the clamped SwiGLU."""
+"""moe family: top-k router (bias for selection only), hash router, routed experts with the clamped SwiGLU, and the
+shared expert (separate weights, weight 1) inside moe_experts."""
+import functools
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from dsv4rt.ops.moe import (moe_experts, moe_experts_ref, moe_hash_route, moe_hash_route_ref, moe_route,
-                            moe_route_ref)
+from dsv4rt.ops.moe import (clamped_swiglu, moe_experts, moe_experts_ref, moe_gate, moe_gate_ref, moe_hash_route,
+                            moe_hash_route_ref, moe_route, moe_route_ref)
 from factories import (assert_trace_matches_reference, moe_experts_inputs, moe_hash_route_inputs, moe_route_inputs,
                        ref_result, to_device)
 
@@ -17,10 +20,20 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 ROUTE_RTOL = 1e-5
 EXPERTS_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
-OPS = {  # name -> (factory, reference, wrapper)
-    "moe_route": (moe_route_inputs, moe_route_ref, moe_route),
-    "moe_hash_route": (moe_hash_route_inputs, moe_hash_route_ref, moe_hash_route),
-    "moe_experts": (moe_experts_inputs, moe_experts_ref, moe_experts),
+def moe_gate_inputs(device, n_tokens: int = 7, dtype=torch.bfloat16, seed: int = 0) -> tuple:
+    """(x [T, D] dtype, weight [E, D] fp32) at the factory's MoE dims."""
+    x, *_ = moe_experts_inputs("cpu", dtype, n_tokens, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    return to_device((x, torch.randn(8, x.shape[1], generator=g) * x.shape[1] ** -0.5), device)
+
+
+OPS = {  # case -> (op name, factory, reference, wrapper)
+    "moe_gate": ("moe_gate", moe_gate_inputs, moe_gate_ref, moe_gate),
+    "moe_route": ("moe_route", moe_route_inputs, moe_route_ref, moe_route),
+    "moe_hash_route": ("moe_hash_route", moe_hash_route_inputs, moe_hash_route_ref, moe_hash_route),
+    "moe_experts": ("moe_experts", moe_experts_inputs, moe_experts_ref, moe_experts),
+    "moe_experts_shared": ("moe_experts", functools.partial(moe_experts_inputs, shared=True), moe_experts_ref,
+                           moe_experts),
 }
 
 
@@ -67,36 +80,44 @@ def silu(v):
     return v / (1.0 + math.exp(-v))
 
 
-def experts_loop(x, w13, w2, weights, ids, limit):
-    """y = sum_i w_i W2_e [silu(min(g, L)) * clamp(u, -L, L)], (g; u) = W13_e x, per token and channel."""
+def experts_loop(x, w13, w2, weights, ids, limit, shared_gate=None, shared_up=None, shared_down=None):
+    """y = sum_i w_i W2_e [silu(min(g, L)) * clamp(u, -L, L)], (g; u) = W13_e x, per token and channel; plus the
+    shared expert with weight 1 when given."""
     inter = w2.shape[2]
+    experts = [(w13[e], w2[e]) for e in range(w13.shape[0])]
+    if shared_gate is not None:
+        experts.append((torch.cat([shared_gate, shared_up]), shared_down))
     out = torch.zeros(x.shape, dtype=torch.float32)
     for t in range(x.shape[0]):
-        for e, w in zip(ids[t].tolist(), weights[t].tolist()):
-            h = (w13[e].float() @ x[t].float()).tolist()
+        chosen = list(zip(ids[t].tolist(), weights[t].tolist()))
+        if shared_gate is not None:
+            chosen.append((len(experts) - 1, 1.0))
+        for e, w in chosen:
+            h = (experts[e][0].float() @ x[t].float()).tolist()
             act = [silu(min(g, limit)) * min(max(u, -limit), limit) for g, u in zip(h[:inter], h[inter:])]
-            out[t] += w * (w2[e].float() @ torch.tensor(act))
+            out[t] += w * (experts[e][1].float() @ torch.tensor(act))
     return out.to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------ generic
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", list(OPS))
-def test_opcheck(name, device):
-    torch.library.opcheck(getattr(torch.ops.dsv4rt, name).default, OPS[name][0](device))
+@pytest.mark.parametrize("case", list(OPS))
+def test_opcheck(case, device):
+    name, factory, _, _ = OPS[case]
+    torch.library.opcheck(getattr(torch.ops.dsv4rt, name).default, factory(device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", list(OPS))
-def test_trace(name, device):
-    factory, ref, wrapper = OPS[name]
+@pytest.mark.parametrize("case", list(OPS))
+def test_trace(case, device):
+    _, factory, ref, wrapper = OPS[case]
     assert_trace_matches_reference(wrapper, ref, factory(device))
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["moe_route", "moe_hash_route"])
 def test_cuda_route_matches_reference(name):
-    factory, ref, wrapper = OPS[name]
+    _, factory, ref, wrapper = OPS[name]
     args = factory("cuda", n_tokens=64)
     expected = ref_result(ref, *to_device(args, "cpu"))
     weights, ids = wrapper(*args)
@@ -105,10 +126,11 @@ def test_cuda_route_matches_reference(name):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_tokens", [1, 7, 64])
-def test_cuda_experts_matches_reference(n_tokens, dtype):
-    args = moe_experts_inputs("cuda", dtype, n_tokens)
+def test_cuda_experts_matches_reference(n_tokens, dtype, shared):
+    args = moe_experts_inputs("cuda", dtype, n_tokens, shared=shared)
     expected = ref_result(moe_experts_ref, *to_device(args, "cpu"))
     got = moe_experts(*args)
     assert got.dtype == dtype
@@ -117,6 +139,14 @@ def test_cuda_experts_matches_reference(n_tokens, dtype):
 
 
 # ------------------------------------------------------------------------------------------ semantics
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_is_fp32_linear(dtype):
+    """The model's former logits: F.linear(x.float(), weight), bit for bit on the CPU."""
+    x, weight = moe_gate_inputs("cpu", dtype=dtype)
+    got = moe_gate(x, weight)
+    assert got.dtype == torch.float32 and torch.equal(got, F.linear(x.float(), weight))
+
+
 def test_route_matches_loop():
     args = moe_route_inputs("cpu", n_tokens=32)
     assert_routing_equal(moe_route(*args), route_loop(*args), 1e-5)
@@ -149,16 +179,36 @@ def test_hash_route_matches_loop():
     assert_routing_equal((weights, ids), hash_route_loop(*args), 1e-5)
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_experts_match_loop(dtype):
-    args = moe_experts_inputs("cpu", dtype)
-    x, w13, w2, _, _, limit = args
+def test_experts_match_loop(dtype, shared):
+    args = moe_experts_inputs("cpu", dtype, shared=shared)
+    x, w13, w2, _, _, limit = args[:6]
     h = torch.einsum("td,eod->teo", x.float(), w13.float())
     assert (h[..., : w2.shape[2]] > limit).any() and (h[..., w2.shape[2] :] < -limit).any()  # clamps engage
     want = experts_loop(*args).float()
     # bf16: the reference rounds the projections and the activation to bf16 (the loop keeps fp32)
     atol = (1e-5 if dtype == torch.float32 else 1e-2) * want.abs().max().item()
     torch.testing.assert_close(moe_experts(*args).float(), want, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_shared_is_the_models_former_path(dtype):
+    """With the shared projections given, the reference equals (bit for bit) what the model computed before they
+    moved into the op: routed experts, plus three F.linear through the clamped SwiGLU, added in x's dtype."""
+    x, w13, w2, weights, ids, limit, sg, su, sd = moe_experts_inputs("cpu", dtype, shared=True)
+    shared = F.linear(clamped_swiglu(F.linear(x, sg), F.linear(x, su), limit), sd)
+    assert torch.equal(moe_experts(x, w13, w2, weights, ids, limit, sg, su, sd),
+                       moe_experts(x, w13, w2, weights, ids, limit) + shared)
+    # the shared expert alone: every id out of range (no routed weight)
+    none = torch.full_like(ids, w13.shape[0])
+    assert torch.equal(moe_experts(x, w13, w2, weights, none, limit, sg, su, sd), shared)
+
+
+def test_experts_shared_needs_all_three():
+    x, w13, w2, weights, ids, limit, sg, su, _ = moe_experts_inputs("cpu", torch.float32, shared=True)
+    with pytest.raises(Exception, match="all three shared-expert projections"):
+        torch.compile(moe_experts, fullgraph=True, backend="aot_eager")(x, w13, w2, weights, ids, limit, sg, su)
 
 
 @pytest.mark.parametrize("up_sign", [1.0, -1.0])

@@ -1,16 +1,23 @@
 """CUDA kernels of the moe family (csrc/moe.cu, csrc/moe.cpp) against the reference (ops/moe.py).
 
+Gate (router logits, x cast to fp32 inside the kernel for up to 8 tokens, the reference's cuBLAS call above): against
+float64, within GATE_TOL of sum |x| |w| per logit; bit-identical to the reference where it falls back to it.
+
 Routers (Flash 256 and Pro 384 experts, top-6, T in {1, 64, 4096}): the same expert sets as the reference run on the
 same device (the kernel computes the fp32 scores with torch's formulas, so the scores are identical) and weights
 within ROUTE_RTOL; a near-tie is the only accepted difference against the CPU reference.
 Experts: compared with the reference run on the same device in the same dtype (matmuls with fp32 accumulation);
 max |got - ref| <= EXPERTS_TOL * max |ref| and ||got - ref|| / ||ref|| <= NORM_TOL. The caching allocator is
 filled with NaN before each kernel call, so any output row or workspace entry the kernels leave unwritten shows.
-Flash dims (D 4096, I 2048, 256 routed experts, top-6; the shared expert appended as expert 256 with weight 1, as
-the fused layout proposes) at T = 1 and 64 (expert GEMV path) and 4096 (grouped GEMMs), with: random routing
-(most experts chosen by no token), one expert chosen by every token, hash routing (repeated ids included), padded
-rows (garbage x, one expert repeated k times). Small dims: both paths around the grouped-GEMM threshold, float16
-and float32, ids outside [0, E) (no weight, as in the reference), determinism, CUDA-graph capture and replay.
+Flash dims (D 4096, I 2048, 256 routed experts, top-6, the shared expert as three separate tensors as the model
+holds them) at T = 1, 8 and 64 (plan, expert GEMV and combine kernels; the shared expert one more slot; up to 8 tokens
+also the opt-in tiny path: two kernels that plan and combine inside themselves) and 4096 (grouped GEMMs; the shared
+expert plain GEMMs), with: random routing (most experts chosen by no token), one expert chosen by every token, hash
+routing (repeated ids included), padded rows (garbage x, one expert repeated k times); with and without the shared
+expert. Small dims: every path around its thresholds (tiny: T <= 8 and T * k <= 64; grouped: more than 3072 rows, the
+shared expert's T rows counted), float16 and float32, ids outside [0, E) (no weight, as in the reference),
+determinism with and without programmatic launches and the tiny path's L2 prefetch, CUDA-graph capture and replay.
+Tests taking the `small_path` fixture run twice: default paths, then batches of up to 8 tokens on the tiny path.
 """
 from __future__ import annotations
 
@@ -20,8 +27,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4rt.ops.moe import (clamped_swiglu, moe_experts, moe_experts_ref, moe_hash_route, moe_hash_route_ref,
-                            moe_route, moe_route_ref, sqrt_softplus)
+from dsv4rt.ops.moe import (clamped_swiglu, moe_experts, moe_experts_ref, moe_gate, moe_gate_ref, moe_hash_route,
+                            moe_hash_route_ref, moe_route, moe_route_ref, sqrt_softplus)
 from factories import moe_experts_inputs, ref_result, to_device
 
 pytestmark = pytest.mark.cuda
@@ -34,9 +41,22 @@ EXPERTS_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 NORM_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 
 FLASH_D, FLASH_I, FLASH_E, TOPK = 4096, 2048, 256, 6
-SHARED = FLASH_E  # the shared expert's index in the fused weights [E + 1, ...]
 SCALE, LIMIT = 1.5, 10.0
-GROUPED_MIN_PAIRS = 3072  # csrc/moe.cpp: T * k above this runs the grouped GEMMs (bf16)
+GROUPED_MIN_PAIRS = 3072  # csrc/moe.cpp: T * k (+ T with a shared expert) above this runs the grouped GEMMs (bf16)
+TINY_TOKENS = 8  # csrc/moe.h: T <= 8 and T * k <= 64 can run the tiny path (bf16/fp16; DSV4RT_MOE_TINY picks)
+
+
+@pytest.fixture(params=["default", "tiny"])
+def small_path(request, monkeypatch):
+    """Runs a test on the default paths and again with every batch of up to 8 tokens on the tiny path."""
+    if request.param == "tiny":
+        monkeypatch.setenv("DSV4RT_MOE_TINY", str(TINY_TOKENS))
+    return request.param
+
+
+def skip_if_same(path: str, n_tokens: int) -> None:
+    if path == "tiny" and n_tokens > TINY_TOKENS:
+        pytest.skip("the tiny path serves at most 8 tokens: the same run as the default")
 
 
 def poison_allocator(nbytes: int) -> None:
@@ -51,17 +71,22 @@ def assert_experts_close(got: torch.Tensor, want: torch.Tensor) -> None:
     g, w = got.float(), want.float()
     assert torch.isfinite(g).all(), "non-finite outputs (an unwritten row?)"
     scale = w.abs().max().item()
+    if scale == 0.0:  # nothing chosen: exact zeros
+        assert torch.equal(g, w)
+        return
     err = (g - w).abs().max().item()
     rel = ((g - w).norm() / w.norm()).item()
     assert err <= EXPERTS_TOL[got.dtype] * scale, f"max |diff| {err:.3e} vs max |ref| {scale:.3e}"
     assert rel <= NORM_TOL[got.dtype], f"relative norm error {rel:.3e}"
 
 
-def run_kernel(args: tuple, poison: int = 1 << 28) -> torch.Tensor:
+def run_kernel(args: tuple, poison: int = 1 << 28, op=moe_experts) -> torch.Tensor:
+    """The op (default moe_experts on (x, w13, w2, weights, ids, limit[, shared_gate, shared_up, shared_down])) on a
+    poisoned allocator."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # the op's blocks then come from the poisoned segment, not from the reference's
     poison_allocator(poison)
-    out = moe_experts(*args)
+    out = op(*args)
     torch.cuda.synchronize()
     return out
 
@@ -140,20 +165,52 @@ def test_route_native():
     import dsv4rt.ops
     cov = dsv4rt.ops.kernel_coverage()
     assert cov["moe_route"] == cov["moe_hash_route"] == cov["moe_experts"] == "native"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("dsv4rt::moe_gate", "CUDA")
+
+
+GATE_TOL = 1e-5  # fp32 sums of D = 4096 products in another order than cuBLAS: ~sqrt(D) * 2^-24 of sum |x| |w|
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n_experts", [FLASH_E, 384])
+@pytest.mark.parametrize("n_tokens", [1, 5, 8, 9, 64])
+def test_gate_matches_reference(n_tokens, n_experts, dtype):
+    g = torch.Generator().manual_seed(n_tokens)
+    x = (torch.randn(n_tokens, FLASH_D, generator=g) * 2.0).to(dtype).cuda()
+    w = (torch.randn(n_experts, FLASH_D, generator=g) * FLASH_D**-0.5).cuda()
+    run_kernel((x, w), op=moe_gate)
+    got = run_kernel((x, w), op=moe_gate)
+    assert got.dtype == torch.float32 and got.shape == (n_tokens, n_experts) and torch.isfinite(got).all()
+    exact = (x.double() @ w.double().t())
+    bound = GATE_TOL * (x.double().abs() @ w.double().abs().t())
+    assert ((got.double() - exact).abs() <= bound).all()
+    if n_tokens > 8:  # the reference's own call
+        assert torch.equal(got, moe_gate_ref(x, w))
+    assert torch.equal(got, moe_gate(x, w))  # deterministic
+    # routing from these logits: the reference's expert sets but for near-ties
+    gw, gi = moe_route(got, torch.zeros(n_experts, device="cuda"), TOPK, SCALE)
+    ww, wi = moe_route_ref(moe_gate_ref(x, w), torch.zeros(n_experts, device="cuda"), TOPK, SCALE)
+    s = sqrt_softplus(exact.float()).sort(dim=1, descending=True).values
+    tie = (s[:, TOPK - 1] - s[:, TOPK]).abs() <= 1e-5 * s[:, TOPK - 1]
+    same = (gi.long().sort(1).values == wi.long().sort(1).values).all(1)
+    assert (same | tie).all()
 
 
 # ------------------------------------------------------------------------------------------ experts, Flash dims
 @pytest.fixture(scope="module")
 def flash_weights():
-    """w13 [E + 1, 2I, D], w2 [E + 1, D, I] bf16 (the last expert is the shared one); std 6/sqrt(D) so that the
-    projections have std ~6 and both clamps of the SwiGLU engage."""
+    """w13 [E, 2I, D], w2 [E, D, I] bf16 and the shared expert's gate [I, D], up [I, D], down [D, I] (separate
+    tensors); std 6/sqrt(D) so that the projections have std ~6 and both clamps of the SwiGLU engage."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    w13 = torch.randn(FLASH_E + 1, 2 * FLASH_I, FLASH_D, generator=g, device="cuda", dtype=torch.bfloat16)
+    w13 = torch.randn(FLASH_E, 2 * FLASH_I, FLASH_D, generator=g, device="cuda", dtype=torch.bfloat16)
     w13.mul_(6.0 * FLASH_D**-0.5)
-    w2 = torch.randn(FLASH_E + 1, FLASH_D, FLASH_I, generator=g, device="cuda", dtype=torch.bfloat16)
+    w2 = torch.randn(FLASH_E, FLASH_D, FLASH_I, generator=g, device="cuda", dtype=torch.bfloat16)
     w2.mul_(FLASH_I**-0.5)
-    yield w13, w2
-    del w13, w2
+    sg, su = (torch.randn(FLASH_I, FLASH_D, generator=g, device="cuda", dtype=torch.bfloat16).mul_(6.0 * FLASH_D**-0.5)
+              for _ in range(2))
+    sd = torch.randn(FLASH_D, FLASH_I, generator=g, device="cuda", dtype=torch.bfloat16).mul_(FLASH_I**-0.5)
+    yield w13, w2, (sg, su, sd)
+    del w13, w2, sg, su, sd
     torch.cuda.empty_cache()
 
 
@@ -163,14 +220,14 @@ def random_choice(n_tokens: int, n_experts: int, k: int, g: torch.Generator) -> 
 
 
 def flash_case(n_tokens: int, scenario: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x [T, D] bf16, weights [T, k+1] fp32, ids [T, k+1] int32): k routed choices plus the shared expert."""
+    """(x [T, D] bf16, weights [T, k] fp32, ids [T, k] int32): the k routed choices."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n_tokens, FLASH_D, generator=g)
     w = torch.rand(n_tokens, TOPK, generator=g) + 0.1
     w = w / w.sum(-1, keepdim=True) * SCALE
     if scenario == "random":
         ids = random_choice(n_tokens, FLASH_E, TOPK, g)
-    elif scenario == "every_token":  # expert 17 chosen by every token (besides the shared expert)
+    elif scenario == "every_token":  # expert 17 chosen by every token
         ids = random_choice(n_tokens, FLASH_E - 1, TOPK, g)
         ids = torch.where(ids >= 17, ids + 1, ids)
         ids[:, 2] = 17
@@ -185,142 +242,198 @@ def flash_case(n_tokens: int, scenario: str, seed: int = 0) -> tuple[torch.Tenso
         w[-n_pad:] = SCALE / TOPK
     else:
         raise ValueError(scenario)
-    ids = torch.cat([ids.int(), torch.full((n_tokens, 1), SHARED, dtype=torch.int32)], 1)
-    w = torch.cat([w.float(), torch.ones(n_tokens, 1)], 1)
-    return x.to(torch.bfloat16).cuda(), w.cuda(), ids.cuda()
+    return x.to(torch.bfloat16).cuda(), w.float().contiguous().cuda(), ids.int().contiguous().cuda()
 
 
 @pytest.mark.parametrize("scenario", ["random", "every_token", "hash", "padded"])
-@pytest.mark.parametrize("n_tokens", [1, 64, 4096])
-def test_experts_flash_matches_reference(flash_weights, n_tokens, scenario):
-    w13, w2 = flash_weights
+@pytest.mark.parametrize("n_tokens", [1, 8, 64, 4096])
+def test_experts_flash_matches_reference(flash_weights, n_tokens, scenario, small_path):
+    skip_if_same(small_path, n_tokens)
+    w13, w2, shared = flash_weights
     x, w, ids = flash_case(n_tokens, scenario)
-    args = (x, w13, w2, w, ids, LIMIT)
+    args = (x, w13, w2, w, ids, LIMIT, *shared)
     want = moe_experts_ref(*args)
     got = run_kernel(args, poison=3 << 29)
     assert_experts_close(got, want)
 
 
-@pytest.mark.parametrize("n_tokens", [1, 8])
+@pytest.mark.parametrize("n_tokens", [1, 8, 9])
 def test_experts_flash_hash_small_batches(flash_weights, n_tokens):
-    w13, w2 = flash_weights
+    w13, w2, shared = flash_weights
     x, w, ids = flash_case(n_tokens, "hash", seed=6)
+    args = (x, w13, w2, w, ids, LIMIT, *shared)
+    assert_experts_close(run_kernel(args), moe_experts_ref(*args))
+
+
+@pytest.mark.parametrize("n_tokens", [1, 8, 64, 4096])
+def test_experts_shared_equals_model_path(flash_weights, n_tokens):
+    """Shared expert inside the op == the op on the routed experts + the shared expert through F.linear (the model's
+    former path), both on the device."""
+    w13, w2, (sg, su, sd) = flash_weights
+    x, w, ids = flash_case(n_tokens, "random", seed=3)
+    routed = run_kernel((x, w13, w2, w, ids, LIMIT))
+    shared = F.linear(clamped_swiglu(F.linear(x, sg), F.linear(x, su), LIMIT), sd)
+    got = run_kernel((x, w13, w2, w, ids, LIMIT, sg, su, sd))
+    assert_experts_close(got, routed + shared)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 8, 64])
+def test_experts_routed_only(flash_weights, n_tokens):
+    """No shared expert: 256 experts, top-6."""
+    w13, w2, _ = flash_weights
+    x, w, ids = flash_case(n_tokens, "random", seed=4)
     args = (x, w13, w2, w, ids, LIMIT)
     assert_experts_close(run_kernel(args), moe_experts_ref(*args))
 
 
-def test_experts_fused_shared_equals_model_path(flash_weights):
-    """Shared expert as expert E with weight 1 == routed experts + the shared expert through F.linear (model.py)."""
-    w13, w2 = flash_weights
-    x, w, ids = flash_case(64, "random", seed=3)
-    routed = moe_experts_ref(x, w13[:FLASH_E], w2[:FLASH_E], w[:, :TOPK].contiguous(), ids[:, :TOPK].contiguous(),
-                             LIMIT)
-    gate, up = w13[SHARED, :FLASH_I], w13[SHARED, FLASH_I:]
-    shared = F.linear(clamped_swiglu(F.linear(x, gate), F.linear(x, up), LIMIT), w2[SHARED])
-    got = run_kernel((x, w13, w2, w, ids, LIMIT))
-    assert_experts_close(got, routed + shared)
-
-
-def test_experts_routed_only(flash_weights):
-    """The model's current call: 256 experts (a view of the first E), top-6, no shared expert."""
-    w13, w2 = flash_weights
-    x, w, ids = flash_case(64, "random", seed=4)
-    args = (x, w13[:FLASH_E], w2[:FLASH_E], w[:, :TOPK].contiguous(), ids[:, :TOPK].contiguous(), LIMIT)
-    assert_experts_close(run_kernel(args), moe_experts_ref(*args))
+@pytest.mark.parametrize("n_tokens", [1, 2, 8])
+def test_experts_tiny_path_equals_gemv_path(flash_weights, n_tokens, monkeypatch):
+    """The tiny path against the GEMV path (DSV4RT_MOE_TINY=0) on the same inputs: both close to the reference."""
+    w13, w2, shared = flash_weights
+    x, w, ids = flash_case(n_tokens, "every_token", seed=5)
+    args = (x, w13, w2, w, ids, LIMIT, *shared)
+    want = moe_experts_ref(*args)
+    monkeypatch.setenv("DSV4RT_MOE_TINY", str(TINY_TOKENS))
+    tiny = run_kernel(args)
+    monkeypatch.setenv("DSV4RT_MOE_TINY", "0")
+    gemv = run_kernel(args)
+    assert_experts_close(tiny, want)
+    assert_experts_close(gemv, want)
+    assert_experts_close(tiny, gemv)
 
 
 # ------------------------------------------------------------------------------------------ experts, small dims
+SHARED = [False, True]
+
+
+@pytest.mark.parametrize("shared", SHARED)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("n_tokens", [1, 7, 64, 300, GROUPED_MIN_PAIRS // 3, GROUPED_MIN_PAIRS // 3 + 1, 4096])
-def test_experts_small_dims_both_paths(n_tokens, dtype):
+@pytest.mark.parametrize("n_tokens", [1, 7, 8, 9, 64, 300, GROUPED_MIN_PAIRS // 4, GROUPED_MIN_PAIRS // 4 + 1,
+                                      GROUPED_MIN_PAIRS // 3, GROUPED_MIN_PAIRS // 3 + 1, 4096])
+def test_experts_small_dims_all_paths(n_tokens, dtype, shared, small_path):
     """Factory dims (8 experts, top-3): each expert holds hundreds of tokens at the larger sizes (many token groups
-    per CTA); 1024 tokens = 3072 pairs (GEMV path), 1025 = 3075 (grouped GEMMs for bf16)."""
-    args = moe_experts_inputs("cuda", dtype, n_tokens, seed=n_tokens)
+    per CTA). Tiny path (when on) up to 8 tokens (bf16/fp16); rows = T * 3 (+ T with the shared expert): 768 tokens with the
+    shared expert and 1024 without are 3072 rows (GEMV path), 769 and 1025 just above (grouped GEMMs for bf16)."""
+    skip_if_same(small_path, n_tokens)
+    args = moe_experts_inputs("cuda", dtype, n_tokens, seed=n_tokens, shared=shared)
     want = ref_result(moe_experts_ref, *args)
     assert_experts_close(run_kernel(args), want)
 
 
-def custom_inputs(n_tokens: int, ids: torch.Tensor, dtype=torch.bfloat16, seed: int = 0):
-    """Factory-sized weights (8 experts, D 64, I 32) with given ids [T, k]."""
-    x, w13, w2, _, _, limit = moe_experts_inputs("cuda", dtype, n_tokens, seed=seed)
+def custom_inputs(n_tokens: int, ids: torch.Tensor, dtype=torch.bfloat16, seed: int = 0, shared: bool = True):
+    """Factory-sized weights (8 experts, D 64, I 32; the shared expert's when `shared`) with given ids [T, k]."""
+    x, w13, w2, _, _, limit, *sh = moe_experts_inputs("cuda", dtype, n_tokens, seed=seed, shared=shared)
     g = torch.Generator().manual_seed(seed + 1)
     w = torch.rand(ids.shape, generator=g) + 0.1
-    return x, w13, w2, (w / w.sum(-1, keepdim=True) * SCALE).cuda(), ids.int().cuda(), limit
+    return (x, w13, w2, (w / w.sum(-1, keepdim=True) * SCALE).cuda(), ids.int().contiguous().cuda(), limit, *sh)
 
 
-@pytest.mark.parametrize("n_tokens,k", [(8, 4), (8, 5), (9, 3), (17, 2), (4, 8)])
-def test_experts_token_group_sizes(n_tokens, k):
-    """Batches of up to 8 tokens (one token group a pass), 9 and 17 tokens (2 and 4 groups); 4 x 8: every expert
-    chosen by every token."""
+@pytest.mark.parametrize("shared", SHARED)
+@pytest.mark.parametrize("n_tokens,k", [(8, 4), (8, 5), (9, 3), (17, 2), (4, 8), (8, 8), (8, 9), (2, 32)])
+def test_experts_token_group_sizes(n_tokens, k, shared, small_path):
+    """Batches of up to 8 tokens (tiny path, when on, while T * k <= 64: (8, 8) is 64 pairs, (8, 9) 72 the GEMV path),
+    9 and 17 tokens (2 and 4 token groups); 4 x 8 and 8 x 8: every expert chosen by every token; (2, 32): repeats."""
+    skip_if_same(small_path, n_tokens)
     g = torch.Generator().manual_seed(n_tokens * 10 + k)
-    ids = random_choice(n_tokens, 8, k, g)
-    args = custom_inputs(n_tokens, ids, seed=k)
+    ids = random_choice(n_tokens, 8, k, g) if k <= 8 else torch.randint(0, 8, (n_tokens, k), generator=g)
+    args = custom_inputs(n_tokens, ids, seed=k, shared=shared)
     assert_experts_close(run_kernel(args), moe_experts_ref(*args))
 
 
+@pytest.mark.parametrize("shared", SHARED)
 @pytest.mark.parametrize("n_tokens", [1, 3, 20])
-def test_experts_repeated_ids(n_tokens):
+def test_experts_repeated_ids(n_tokens, shared, small_path):
     """One token choosing the same expert several times (HF's initial hash table)."""
+    skip_if_same(small_path, n_tokens)
     ids = torch.tensor([[2, 2, 5, 2], [0, 0, 0, 0], [7, 1, 7, 3]]).repeat(7, 1)[:n_tokens]
-    args = custom_inputs(n_tokens, ids, seed=3)
+    args = custom_inputs(n_tokens, ids, seed=3, shared=shared)
     assert_experts_close(run_kernel(args), moe_experts_ref(*args))
 
 
-@pytest.mark.parametrize("n_tokens", [5, 4096])
-def test_experts_ids_out_of_range_have_no_weight(n_tokens):
-    x, w13, w2, w, ids, limit = moe_experts_inputs("cuda", torch.bfloat16, n_tokens, seed=1)
+@pytest.mark.parametrize("shared", SHARED)
+@pytest.mark.parametrize("n_tokens", [1, 5, 4096])
+def test_experts_ids_out_of_range_have_no_weight(n_tokens, shared, small_path):
+    skip_if_same(small_path, n_tokens)
+    x, w13, w2, w, ids, limit, *sh = moe_experts_inputs("cuda", torch.bfloat16, n_tokens, seed=1, shared=shared)
     ids = ids.clone()
     ids[0, 0] = -1
     ids[-1, 1] = w13.shape[0]
     ids[n_tokens // 2, 2] = 1 << 20
-    args = (x, w13, w2, w, ids, limit)
+    args = (x, w13, w2, w, ids, limit, *sh)
     assert_experts_close(run_kernel(args), moe_experts_ref(*args))
 
 
-@pytest.mark.parametrize("n_tokens", [1, 64, 4096])
-def test_experts_cpu_reference(n_tokens):
+@pytest.mark.parametrize("n_tokens", [1, 20])
+def test_experts_only_shared(n_tokens, small_path):
+    """Every id out of range, and no routed choice at all (k = 0): the output is the shared expert alone."""
+    skip_if_same(small_path, n_tokens)
+    x, w13, w2, w, ids, limit, *sh = moe_experts_inputs("cuda", torch.bfloat16, n_tokens, seed=8, shared=True)
+    for w_, ids_ in ((w, torch.full_like(ids, -1)), (w[:, :0].contiguous(), ids[:, :0].contiguous())):
+        args = (x, w13, w2, w_, ids_, limit, *sh)
+        assert_experts_close(run_kernel(args), moe_experts_ref(*args))
+
+
+@pytest.mark.parametrize("shared", SHARED)
+@pytest.mark.parametrize("n_tokens", [1, 8, 64, 4096])
+def test_experts_cpu_reference(n_tokens, shared, small_path):
     """Also against the reference on the CPU (small dims), to rule out a shared error in the device reference."""
-    args = moe_experts_inputs("cuda", torch.bfloat16, n_tokens, seed=2)
+    skip_if_same(small_path, n_tokens)
+    args = moe_experts_inputs("cuda", torch.bfloat16, n_tokens, seed=2, shared=shared)
     want = ref_result(moe_experts_ref, *to_device(args, "cpu"))
     assert_experts_close(run_kernel(args).cpu(), want)
 
 
-@pytest.mark.parametrize("n_tokens", [1, 64, 4096])
-def test_experts_deterministic_and_pdl_independent(n_tokens, monkeypatch):
-    args = moe_experts_inputs("cuda", torch.bfloat16, n_tokens, seed=5)
+@pytest.mark.parametrize("n_tokens", [1, 8, 64, 4096])
+def test_experts_deterministic_and_knob_independent(n_tokens, monkeypatch, small_path):
+    """Bit-identical across calls, without programmatic launches, and without the tiny path's L2 prefetch."""
+    skip_if_same(small_path, n_tokens)
+    args = moe_experts_inputs("cuda", torch.bfloat16, n_tokens, seed=5, shared=True)
     first = run_kernel(args)
+    assert torch.equal(first, run_kernel(args))
+    monkeypatch.setenv("DSV4RT_MOE_TINY_PREFETCH", "0")
     assert torch.equal(first, run_kernel(args))
     monkeypatch.setenv("DSV4RT_MOE_PDL", "0")
     assert torch.equal(first, run_kernel(args))
 
 
 def test_experts_empty_batch():
-    x, w13, w2, w, ids, limit = moe_experts_inputs("cuda", torch.bfloat16, 1)
-    out = moe_experts(x[:0], w13, w2, w[:0], ids[:0], limit)
-    assert out.shape == (0, x.shape[1])
+    x, w13, w2, w, ids, limit, *sh = moe_experts_inputs("cuda", torch.bfloat16, 1, shared=True)
+    for extra in ((), tuple(sh)):
+        out = moe_experts(x[:0], w13, w2, w[:0], ids[:0], limit, *extra)
+        assert out.shape == (0, x.shape[1])
 
 
 def test_experts_rejects_bad_layouts():
-    x, w13, w2, w, ids, limit = moe_experts_inputs("cuda", torch.bfloat16, 4)
+    x, w13, w2, w, ids, limit, sg, su, sd = moe_experts_inputs("cuda", torch.bfloat16, 4, shared=True)
     with pytest.raises(RuntimeError, match="moe_experts: ids must be a contiguous int32"):
         moe_experts(x, w13, w2, w, ids.long(), limit)
     with pytest.raises(RuntimeError, match="moe_experts: x, w13 and w2 must share one dtype"):
         moe_experts(x, w13.float(), w2, w, ids, limit)
     with pytest.raises(RuntimeError, match="moe_experts: x, w13 and w2 must be contiguous"):
         moe_experts(x, w13.transpose(1, 2).contiguous().transpose(1, 2), w2, w, ids, limit)
+    with pytest.raises(RuntimeError, match="all three shared-expert projections"):
+        torch.ops.dsv4rt.moe_experts.default(x, w13, w2, w, ids, limit, sg, su, None)
+    with pytest.raises(RuntimeError, match="moe_experts: shared_up must be contiguous"):
+        moe_experts(x, w13, w2, w, ids, limit, sg, su.t().contiguous().t(), sd)
+    with pytest.raises(RuntimeError, match="moe_experts: shared_down must have x's dtype"):
+        moe_experts(x, w13, w2, w, ids, limit, sg, su, sd.float())
+    with pytest.raises(RuntimeError, match=r"moe_experts: shared_gate must be \[32, 64\]"):
+        moe_experts(x, w13, w2, w, ids, limit, sd, su, sd)
 
 
 # ------------------------------------------------------------------------------------------ capture
-@pytest.mark.parametrize("n_tokens", [1, 64, 4096])
-def test_route_and_experts_replay(n_tokens):
-    """Router + experts captured in one CUDA graph, replayed on new inputs written in place: equal to eager calls."""
+@pytest.mark.parametrize("n_tokens", [1, 8, 64, 4096])
+def test_route_and_experts_replay(n_tokens, small_path):
+    """Router + experts (with the shared expert) captured in one CUDA graph, replayed on new inputs written in
+    place: equal to eager calls."""
+    skip_if_same(small_path, n_tokens)
     n_exp = 8
-    x, w13, w2, _, _, limit = moe_experts_inputs("cuda", torch.bfloat16, n_tokens, seed=7)
+    x, w13, w2, _, _, limit, *sh = moe_experts_inputs("cuda", torch.bfloat16, n_tokens, seed=7, shared=True)
     bias = torch.randn(n_exp, device="cuda") * 0.1
 
     def step(xin, logits):
         weights, ids = moe_route(logits, bias, 3, SCALE)
-        return moe_experts(xin, w13, w2, weights, ids, limit)
+        return moe_experts(xin, w13, w2, weights, ids, limit, *sh)
 
     static_x, static_logits = x.clone(), torch.randn(n_tokens, n_exp, device="cuda")
     stream = torch.cuda.Stream()
@@ -340,4 +453,4 @@ def test_route_and_experts_replay(n_tokens):
         torch.cuda.synchronize()
         assert torch.equal(static_out, step(new_x, new_logits))
         weights, ids = moe_route_ref(new_logits, bias, 3, SCALE)
-        assert_experts_close(static_out, moe_experts_ref(new_x, w13, w2, weights, ids, limit))
+        assert_experts_close(static_out, moe_experts_ref(new_x, w13, w2, weights, ids, limit, *sh))
