@@ -64,5 +64,7 @@ def indexer_topk(q: Tensor, weights: Tensor, idx_cache: Tensor, req_slot: Tensor
     Shapes: q [T, nI, dI] (RoPE'd; Hadamard-rotated when idx_cache is FP4); weights [T, nI] fp32 (all
     scales folded in); idx_cache [NB+1, E, dI or fp4 bytes]; req_slot/positions [T] int32;
     block_table [S+1, MB] int32. Returns [T, topk] int32. Mutates: nothing. Capture-safe.
+    The order of the indices is unspecified (the reference: by descending score; the CUDA kernel: ascending index,
+    ties at equal scores to the smaller index); consumers treat the list as a set.
     """
     return torch.ops.dsv4rt.indexer_topk.default(q, weights, idx_cache, req_slot, positions, block_table, ratio, topk)

@@ -1,0 +1,993 @@
+// Lightning-indexer family (ops/indexer.py): per query, score every visible indexer entry of its request,
+// score[j] = sum_h w[h] * relu(q[h] . k_j) for j < (p+1) // ratio, and keep the top k (-1 padded, fixed width).
+//
+// One launch sequence per group of tokens (the group keeps the score scratch [G, n_cap] bounded):
+//   1. memset of the group's histograms and counters;
+//   2. score: CTAs split each token's visible entries into tiles; every score is written as an order-preserving
+//      uint32 key to the scratch and counted in a 4096-bin histogram of its top 12 bits. Two implementations:
+//        * tensor cores (sm_90a, bf16 q, bf16 or FP4 keys, <= 64 heads, head dim 64 or 128): wgmma with the
+//          tile's 64 entries as M (A in registers, decoded by each lane from raw rows its warp cp.asyncs) and the
+//          token's q as N = 64 heads (B in shared memory); relu, weight and the sum over heads on the fp32
+//          accumulators (see "tensor-core scoring");
+//        * general (any dtype, fp32 arithmetic): CUDA cores, for the other shapes and dtypes.
+//   3. select: every CTA finds from the histogram the bin b1 holding the k-th largest key; CTAs split each token's
+//      entries again; keys above bin b1 are emitted at once (they are in the top k), keys in bin b1 go to a
+//      candidate list (bounded; past it the full scratch is rescanned) and a histogram of their next 12 bits.
+//      The last CTA of the token (atomic ticket) resolves the remaining digits (score bits, then the index,
+//      smaller first: ties at equal scores are broken deterministically), then sorts the k indices ascending,
+//      so the output does not depend on the order in which CTAs ran.
+// Tokens with at most k visible entries skip the scoring: their output is 0..n-1 then -1.
+// Grid sizes depend on shapes only (multiprocessor count, T, block-table width); no host sync, no host planning.
+#include <climits>
+#include <cstdlib>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "indexer.h"
+#include "launch.cuh"
+
+namespace dsv4rt {
+namespace {
+
+constexpr int kSimtTile = 32;         // entries per general-path tile
+constexpr int kSimtThreads = 256;
+constexpr int kSelectThreads = 512;
+constexpr int kBins = 4096;           // histograms of 12-bit digits
+constexpr int kDigitBins = 256;       // the last CTA's 8-bit digits
+constexpr uint32_t kCandCap = 8192;   // candidates per token kept in the list
+constexpr int kCtrWords = 8;          // per-token counters:
+constexpr int kDone2 = 0, kEmit = 1, kCand = 2;
+constexpr int kScratchWords = 64;
+constexpr int64_t kKeyBudget = int64_t(256) << 20;  // bytes of score scratch per group of tokens
+
+// Views of the workspace for one group of tokens.
+struct Ws {
+  uint32_t* keys;   // [G, n_cap] order-preserving keys of the scores
+  uint2* cand;      // [G, kCandCap] (key, index) of keys in bin b1
+  uint32_t* hist1;  // [G, kBins] top 12 bits
+  uint32_t* hist2;  // [G, kBins] next 12 bits, keys in bin b1 only
+  uint32_t* ctr;    // [G, kCtrWords]
+  int64_t n_cap;
+};
+
+struct Tok {
+  int64_t slot;
+  int64_t nv;  // visible entries
+};
+
+__device__ __forceinline__ Tok token_info(const IndexerArgs& a, int64_t t, int64_t n_cap) {
+  Tok k{a.n_slots - 1, 0};
+  const int r = a.req_slot[t];
+  if (r >= 0 && r < a.n_slots) {  // else a padded token: no entry is visible
+    k.slot = r;
+    const int64_t p1 = static_cast<int64_t>(a.positions[t]) + 1;
+    const int64_t n = p1 > 0 ? p1 / a.ratio : 0;
+    k.nv = n < n_cap ? n : n_cap;
+  }
+  return k;
+}
+
+__device__ __forceinline__ int64_t block_of(const IndexerArgs& a, int64_t slot, int64_t col) {
+  const int64_t b = __ldg(a.block_table + slot * a.bt_stride + col);
+  return b < 0 ? 0 : (b >= a.n_blocks ? a.n_blocks - 1 : b);  // keep reads in the pool whatever the table holds
+}
+
+// Larger score -> larger key; -0 counts as +0.
+__device__ __forceinline__ uint32_t order_key(float s) {
+  const uint32_t b = __float_as_uint(__fadd_rn(s, 0.0f));
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// ------------------------------------------------------------------------------------------ block utilities
+// Inclusive prefix sum over the threads of the block; scratch: >= 32 words. Every thread must call.
+__device__ __forceinline__ uint32_t block_inclusive_scan(uint32_t v, uint32_t* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t n = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += n;
+  }
+  __syncthreads();
+  if (lane == 31) scratch[warp] = v;
+  __syncthreads();
+  uint32_t off = 0;
+  for (int i = 0; i < warp; ++i) off += scratch[i];
+  return v + off;
+}
+
+// The bin holding the need-th largest element of a histogram (counted from the top bin down), the count of
+// elements in the bins above it and in the bin itself. Needs 1 <= need <= total. scratch: >= 35 words. Every
+// thread must call.
+template <typename Load>
+__device__ void select_bin(Load load, int nbins, uint32_t need, uint32_t* scratch, uint32_t& bin, uint32_t& above,
+                           uint32_t& count) {
+  const int nt = blockDim.x;
+  const int per = (nbins + nt - 1) / nt;
+  const int hi = nbins - static_cast<int>(threadIdx.x) * per, lo = hi - per > 0 ? hi - per : 0;
+  uint32_t sum = 0;
+  for (int b = hi - 1; b >= lo; --b) sum += load(b);
+  const uint32_t incl = block_inclusive_scan(sum, scratch);
+  const uint32_t excl = incl - sum;
+  if (excl < need && incl >= need) {
+    uint32_t acc = excl;
+    for (int b = hi - 1; b >= lo; --b) {
+      const uint32_t c = load(b);
+      if (acc + c >= need) {
+        scratch[32] = static_cast<uint32_t>(b);
+        scratch[33] = acc;
+        scratch[34] = c;
+        break;
+      }
+      acc += c;
+    }
+  }
+  __syncthreads();
+  bin = scratch[32];
+  above = scratch[33];
+  count = scratch[34];
+  __syncthreads();
+}
+
+// Copy a global histogram of N bins into shared memory, NT threads, loads in flight together.
+template <int N, int NT>
+__device__ __forceinline__ void stage_hist(const uint32_t* g, uint32_t* s) {
+  static_assert(N % NT == 0, "bins per thread");
+  constexpr int kPer = N / NT, kBatch = kPer < 32 ? kPer : 32;
+#pragma unroll
+  for (int i0 = 0; i0 < kPer; i0 += kBatch) {
+    uint32_t v[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) v[i] = __ldcg(g + (i0 + i) * NT + threadIdx.x);
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) s[(i0 + i) * NT + threadIdx.x] = v[i];
+  }
+}
+
+// End of a scoring CTA (NT threads): add its histogram to the token's.
+template <int NT>
+__device__ __forceinline__ void flush_hist(const Ws& ws, int64_t tl, const uint32_t* hist) {
+  __syncthreads();
+  uint32_t* g = ws.hist1 + tl * kBins;
+  for (int b = threadIdx.x; b < kBins; b += NT) {
+    const uint32_t c = hist[b];
+    if (c) atomicAdd(g + b, c);
+  }
+}
+
+// ------------------------------------------------------------------------------------------ tensor-core scoring
+// A warpgroup per CTA; a CTA takes a range of 64-entry tiles of one token. Per tile, D[64 entries x 64 heads] =
+// K_tile[64 x DI] * q^T[DI x 64] by wgmma m64n64k16: A (keys) from registers, B (q, zero heads past n_heads) from
+// shared memory, loaded once. Warp w owns tile rows 16w..16w+15: it cp.asyncs their raw rows into its own ring
+// (no block barrier), and lane (g, t) decodes rows g and g+8, k slice t (DI/4 values: one FP4 scale block when
+// DI = 128) straight into its A fragments. The k order inside a slice is the decoder's; q is staged in the same
+// order. A tile's raw rows are read while the previous tile's wgmma runs, decoded once it has completed (the
+// fragments are its operands); 4 CTAs an SM overlap each other's wgmmas. relu, weight and the sum over heads run
+// on the accumulators (16 heads a lane, then 2 shuffles).
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// a * b per bf16 half, exact for the power-of-two scales used here (adding -0 keeps an exact +0)
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+constexpr int kWgTile = 64;   // entries per tile (wgmma M)
+constexpr int kWgHeads = 64;  // wgmma N: heads, zero-padded
+
+template <int DI, bool FP4>
+struct WgCfg {
+  static constexpr int kRow = FP4 ? DI / 2 + DI / 32 : DI * 2;  // bytes of a cache row
+  static constexpr int kKSteps = DI / 16;
+  static constexpr int kRegs = DI / 8;                           // A registers of one row (DI / 4 values)
+  static_assert(kRegs == 2 * kKSteps, "two registers of a row per k step");
+  static constexpr int kQBytes = kWgHeads * DI * 2;              // q^T, 128-byte swizzled atoms of 64 k
+  static constexpr int kSeg = 16 * kRow;                         // one warp's rows of a tile
+  static constexpr int kStages = FP4 ? 4 : 3;                    // raw ring depth (tiles)
+  static constexpr size_t kSmem = 1024 + kQBytes + static_cast<size_t>(kStages) * 4 * kSeg +
+                                  (kBins + kScratchWords) * sizeof(uint32_t);
+  static_assert(DI == 64 || DI == 128, "tensor-core path: head dim 64 or 128");
+  static_assert(kSeg % 16 == 0, "a warp's rows must be whole 16-byte chunks");
+};
+
+// Element of q (and of the key row) at k position `k` of the wgmma operands: position 16s + 8u + 2t + h is
+// register 2s + u, half h, of lane slice t; FP4 registers hold elements (i, i + 4) of each 8-element word.
+template <int DI, bool FP4>
+__device__ __forceinline__ int k_element(int k) {
+  const int m = 2 * (k >> 4) + ((k >> 3) & 1), t = (k >> 1) & 3, h = k & 1;
+  return (DI / 4) * t + (FP4 ? 8 * (m >> 2) + (m & 3) + 4 * h : 2 * m + h);
+}
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+// Shared-memory descriptor of a K-major bf16 operand in 128-byte swizzled atoms (8 rows of 128 bytes = 1 KB).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+// D[64 x 64] (+)= A[64 x 16] (registers) * B[16 x 64] (shared, K-major)
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                uint64_t desc, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, "
+      "%8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, "
+      "%24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+}
+
+// the same with D overwritten (scale-d 0): D is not an input, so its registers need not be live before
+__device__ __forceinline__ void wgmma_m64n64k16_first(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                      uint32_t a3, uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, "
+      "%8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, "
+      "%24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
+        "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
+        "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
+        "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+}
+
+
+template <int DI, bool FP4>
+struct WgWarp {
+  using C = WgCfg<DI, FP4>;
+  static constexpr int kRaw = DI / 32;  // FP4: 32-bit code words of a lane's slice of a row (8 codes each)
+  uint32_t raw[2][kRaw];                // rows g, g + 8 (FP4)
+  uint32_t scale[2];
+  uint32_t frag[C::kKSteps][4];         // A fragments, wgmma operand order
+
+  // cp.async this warp's 16 rows of tile entries [j0, j0 + 64) into `seg` (FP4 rows raw; bf16 rows with their
+  // 16-byte chunks swizzled by row). Rows past the visible count are skipped.
+  static __device__ __forceinline__ void copy(const IndexerArgs& a, const Tok& tok, int64_t j0, int warp, int lane,
+                                              uint8_t* seg, int log2e) {
+    const uint8_t* cache = static_cast<const uint8_t*>(a.idx_cache);
+    const int per_block = 1 << log2e, run = per_block < 16 ? per_block : 16;
+    const int64_t r0 = j0 + 16 * warp;
+    for (int r = 0; r < 16; r += run) {
+      const int64_t j = r0 + r;
+      if (j >= tok.nv) break;
+      const int64_t blk = block_of(a, tok.slot, j >> log2e);
+      const uint8_t* src = cache + ((blk << log2e) + (j & (per_block - 1))) * C::kRow;
+      uint8_t* dst = seg + r * C::kRow;
+      if (FP4) {
+        const int chunks = run * C::kRow / 16;
+        for (int c = lane; c < chunks; c += 32) cp_async16(smem_u32(dst + 16 * c), src + 16 * c);
+      } else {
+        constexpr int kPerRow = C::kRow / 16;
+        for (int c = lane; c < run * kPerRow; c += 32) {
+          const int rr = c / kPerRow, cc = c % kPerRow;
+          cp_async16(smem_u32(dst + rr * C::kRow + 16 * (cc ^ ((r + rr) & 7))), src + 16 * c);
+        }
+      }
+    }
+  }
+
+  // Register m of row rr (k position 16 (m >> 1) + 8 (m & 1) + 2t + h) in operand order.
+  __device__ __forceinline__ uint32_t& at(int rr, int m) { return frag[m >> 1][rr + 2 * (m & 1)]; }
+
+  // Lane (g, t), FP4: the code words and scales of rows g and g + 8 of `seg`, k slice t, to raw[]. (bf16 rows are
+  // read by decode(): they go straight to frag[], which the previous tile's wgmma reads until it completes.)
+  __device__ __forceinline__ void fetch(const uint8_t* seg, int g, int t) {
+    if constexpr (FP4) {
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const uint8_t* row = seg + (g + 8 * rr) * C::kRow;
+        const uint8_t* p = row + (DI / 8) * t;
+        if constexpr (C::kRow % 4 == 0) {
+#pragma unroll
+          for (int i = 0; i < kRaw; ++i) raw[rr][i] = reinterpret_cast<const uint32_t*>(p)[i];
+        } else {
+#pragma unroll
+          for (int i = 0; i < kRaw; ++i) {
+            const uint16_t* p16 = reinterpret_cast<const uint16_t*>(p) + 2 * i;
+            raw[rr][i] = static_cast<uint32_t>(p16[0]) | (static_cast<uint32_t>(p16[1]) << 16);
+          }
+        }
+        scale[rr] = row[DI / 2 + (DI / 4) * t / 32];
+      }
+    }
+  }
+
+  // FP4 codes to exact bf16: codes c = s|eem at bf16 bits 15 and 8..6 are e2m1(c) * 2^-126 (subnormal for e = 0);
+  // a multiply by 2^(scale - 1) gives the value; when that overflows bf16 (scale > 128), 2^126 then 2^(scale - 127).
+  // Call only once the wgmma that read frag[] has completed.
+  __device__ __forceinline__ void decode(const uint8_t* seg, int g, int t) {
+    if constexpr (!FP4) {
+      constexpr int kChunks = DI / 32;  // 16-byte chunks of the lane's slice (8 values each)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int r = g + 8 * rr;
+        const uint8_t* row = seg + r * C::kRow;
+#pragma unroll
+        for (int i = 0; i < kChunks; ++i) {
+          const int cc = kChunks * t + i;
+          const uint4 v = *reinterpret_cast<const uint4*>(row + 16 * (cc ^ (r & 7)));
+          at(rr, 4 * i + 0) = v.x;
+          at(rr, 4 * i + 1) = v.y;
+          at(rr, 4 * i + 2) = v.z;
+          at(rr, 4 * i + 3) = v.w;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const uint32_t s = scale[rr];
+        const bool big = s > 128;
+        const uint32_t m1 = big ? (253u << 7) : ((s + 126u) << 7);
+        const uint32_t m1x2 = m1 | (m1 << 16);
+#pragma unroll
+        for (int i = 0; i < kRaw; ++i) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const uint32_t q = raw[rr][i] << (4 * (3 - k));  // nibbles k and k + 4 to bits 12..15 and 28..31
+            at(rr, 4 * i + k) = bf16x2_mul((q & 0x80008000u) | ((q >> 6) & 0x01C001C0u), m1x2);
+          }
+        }
+        if (big) {  // rare: keys of magnitude above 24
+          const uint32_t m2x2 = (s << 7) | (s << 23);
+#pragma unroll
+          for (int m = 0; m < C::kRegs; ++m) at(rr, m) = bf16x2_mul(at(rr, m), m2x2);
+        }
+      }
+    }
+  }
+
+  __device__ __forceinline__ void issue(float (&d)[32], uint32_t qs) {
+#pragma unroll
+    for (int s = 0; s < C::kKSteps; ++s) fence_regs(frag[s]);
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < C::kKSteps; ++s) {
+      const uint32_t addr = qs + (s >> 2) * (kWgHeads * 128) + (s & 3) * 32;  // atom of 64 k, 16 k = 32 bytes
+      if (s == 0) {
+        wgmma_m64n64k16_first(d, frag[s][0], frag[s][1], frag[s][2], frag[s][3], smem_desc(addr));
+      } else {
+        wgmma_m64n64k16(d, frag[s][0], frag[s][1], frag[s][2], frag[s][3], smem_desc(addr), 1);
+      }
+    }
+    wgmma_commit();
+  }
+
+  // after the wgmma reading frag[] has completed: keeps the compiler from reusing these registers earlier
+  __device__ __forceinline__ void retire() {
+#pragma unroll
+    for (int s = 0; s < C::kKSteps; ++s) fence_regs(frag[s]);
+  }
+};
+
+// relu, weight, sum over the 64 heads of D rows g and g + 8: lane t = 0 stores row g, t = 1 row g + 8.
+// wv: this lane's 16 head weights (heads 8c + 2t + e at 2c + e) in shared memory (registers are short here).
+__device__ __forceinline__ void wg_epilogue(const float (&d)[32], const float* wv, uint32_t* keys,
+                                            const Tok& tok, int64_t j0, uint32_t* hist) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+  for (int c4 = 0; c4 < 4; ++c4) {
+    const float4 w4 = reinterpret_cast<const float4*>(wv)[c4];
+    const float w[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int c = 2 * c4 + (i >> 1), e = i & 1;
+      s0 = fmaf(w[i], fmaxf(d[4 * c + e], 0.0f), s0);
+      s1 = fmaf(w[i], fmaxf(d[4 * c + 2 + e], 0.0f), s1);
+    }
+  }
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+  const int64_t j = j0 + 16 * warp + g + 8 * t;
+  if (t < 2 && j < tok.nv) {
+    const uint32_t key = order_key(t == 0 ? s0 : s1);
+    keys[j] = key;
+    atomicAdd(hist + (key >> 20), 1u);
+  }
+}
+#endif  // sm_90a
+
+template <int DI, bool FP4>
+__global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a, const Ws ws, const int64_t t0,
+                                                             const int ctas, const int log2e) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = WgCfg<DI, FP4>;
+  using W = WgWarp<DI, FP4>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // swizzle atoms are 1 KB aligned
+  uint8_t* qsm = base;                                                        // q^T
+  uint8_t* ring = base + C::kQBytes;                                          // [kStages][4 warps][kSeg]
+  uint32_t* hist = reinterpret_cast<uint32_t*>(ring + C::kStages * 4 * C::kSeg);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+  const int64_t tl = blockIdx.x / ctas, t = t0 + tl;
+  const int c = static_cast<int>(blockIdx.x % ctas);
+  const Tok tok = token_info(a, t, ws.n_cap);
+  if (tok.nv <= a.topk) return;  // every visible entry is selected: nothing to score
+  for (int b = tid; b < kBins; b += 128) hist[b] = 0;
+  const int64_t n_tiles = (tok.nv + kWgTile - 1) / kWgTile;
+  const int64_t tb = n_tiles * c / ctas;
+  const int n = static_cast<int>(n_tiles * (c + 1) / ctas - tb);
+
+  // q^T into shared memory (row = head, k order of the operands), zero heads past n_heads: 16-byte loads, all
+  // in flight, then each pair of elements that share a register to its k position
+  {
+    constexpr int kChunks = kWgHeads * DI / 8 / 128;  // 8-element chunks per thread
+    const uint4* q4 = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.q) + t * a.n_heads * DI);
+    uint4 v[kChunks];
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int ch = tid + 128 * i, h = ch / (DI / 8);
+      v[i] = h < a.n_heads ? q4[ch] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int ch = tid + 128 * i, h = ch / (DI / 8), e0 = (ch % (DI / 8)) * 8;
+      const int ts = e0 / (DI / 4), ci = (e0 % (DI / 4)) >> 3;  // lane slice, 8-element chunk within it
+      const uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {  // register m = 4 ci + p holds elements (e0 + p, e0 + p + 4) or (e0 + 2p, +1)
+        const uint32_t pair = FP4 ? __byte_perm(w[p >> 1], w[2 + (p >> 1)], (p & 1) ? 0x7632 : 0x5410) : w[p];
+        const int m = 4 * ci + p, k = 16 * (m >> 1) + 8 * (m & 1) + 2 * ts;
+        *reinterpret_cast<uint32_t*>(qsm + (k >> 6) * (kWgHeads * 128) + h * 128 +
+                                     ((((k & 63) >> 3) ^ (h & 7)) << 4) + 2 * (k & 7)) = pair;
+      }
+    }
+  }
+  float* wv_s = reinterpret_cast<float*>(hist + kBins);  // [4 lanes t][16 weights]
+  if (tid < 64) {
+    const int tt = tid >> 4, i = tid & 15, h = 8 * (i >> 1) + 2 * tt + (i & 1);
+    wv_s[tid] = h < a.n_heads ? a.weights[t * a.n_heads + h] : 0.0f;
+  }
+  const float* wv = wv_s + 16 * t4;
+  fence_proxy_async();
+  __syncthreads();
+
+  uint8_t* my_ring = ring + warp * C::kSeg;
+  auto seg = [&](int i) { return my_ring + (i % C::kStages) * 4 * C::kSeg; };
+#pragma unroll
+  for (int i = 0; i < C::kStages - 1; ++i) {
+    if (i < n) W::copy(a, tok, (tb + i) * kWgTile, warp, lane, seg(i), log2e);
+    cp_async_commit();
+  }
+  const uint32_t qs = smem_u32(qsm);
+  uint32_t* keys = ws.keys + tl * ws.n_cap;
+  W w;
+  float d[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) d[i] = 0.0f;
+  // per tile: raw rows of tile i to registers, refill the ring, finish tile i - 1 (its wgmma read the fragments
+  // that tile i's decode overwrites), decode and start tile i
+  for (int i = 0; i < n; ++i) {
+    cp_async_wait<C::kStages - 2>();
+    __syncwarp();
+    w.fetch(seg(i), g, t4);
+    __syncwarp();  // every lane has read the stage before it is refilled
+    if (i + C::kStages - 1 < n) W::copy(a, tok, (tb + i + C::kStages - 1) * kWgTile, warp, lane,
+                                        seg(i + C::kStages - 1), log2e);
+    cp_async_commit();
+    wgmma_wait0();
+    fence_regs(d);
+    w.retire();
+    if (i > 0) wg_epilogue(d, wv, keys, tok, (tb + i - 1) * kWgTile, hist);
+    w.decode(seg(i), g, t4);  // bf16: reads stage i, which is refilled only at step i + 1 (after its __syncwarp)
+    w.issue(d, qs);
+  }
+  wgmma_wait0();
+  fence_regs(d);
+  w.retire();
+  if (n > 0) wg_epilogue(d, wv, keys, tok, (tb + n - 1) * kWgTile, hist);
+  cp_async_wait<0>();
+  flush_hist<128>(ws, tl, hist);
+#endif
+}
+
+// ------------------------------------------------------------------------------------------ general scoring
+__device__ __forceinline__ float fp4_value(uint32_t code, uint32_t s) {
+  const uint32_t e = (code >> 1) & 3, m = code & 1;
+  const float mag = e ? __uint_as_float(((e + 126u) << 23) | (m << 22)) : 0.5f * static_cast<float>(m);
+  const float scale = s == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(s << 23);  // 2^(s-127); 255: inf
+  const float v = mag * scale;
+  return (code & 8) ? -v : v;
+}
+
+__device__ __forceinline__ float load_value(const void* p, int64_t i, int dtype) {
+  switch (dtype) {
+    case 0: return static_cast<const float*>(p)[i];
+    case 1: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    default: return __half2float(static_cast<const __half*>(p)[i]);
+  }
+}
+
+__host__ __device__ inline size_t simt_smem_bytes(int n_heads, int head_dim) {
+  return sizeof(float) * (static_cast<size_t>(n_heads) * head_dim + n_heads + kSimtTile * (head_dim + 1) +
+                          8 * kSimtTile) +
+         sizeof(uint32_t) * (kBins + kScratchWords);
+}
+
+__global__ void __launch_bounds__(kSimtThreads) score_simt_kernel(const IndexerArgs a, const Ws ws, const int64_t t0,
+                                                                  const int ctas) {
+  extern __shared__ float sm[];
+  const int nh = a.n_heads, di = a.head_dim, ld = di + 1, tid = threadIdx.x;
+  float* q_s = sm;                     // [nh, di]
+  float* w_s = q_s + nh * di;          // [nh]
+  float* k_s = w_s + nh;               // [kSimtTile, di + 1]
+  float* part = k_s + kSimtTile * ld;  // [8, kSimtTile]
+  uint32_t* hist = reinterpret_cast<uint32_t*>(part + 8 * kSimtTile);
+
+  const int64_t tl = blockIdx.x / ctas, t = t0 + tl;
+  const int c = static_cast<int>(blockIdx.x % ctas);
+  const Tok tok = token_info(a, t, ws.n_cap);
+  if (tok.nv <= a.topk) return;
+  for (int b = tid; b < kBins; b += blockDim.x) hist[b] = 0;
+  for (int i = tid; i < nh * di; i += blockDim.x) q_s[i] = load_value(a.q, t * nh * di + i, a.q_dtype);
+  for (int i = tid; i < nh; i += blockDim.x) w_s[i] = a.weights[t * nh + i];
+
+  const int64_t n_tiles = (tok.nv + kSimtTile - 1) / kSimtTile;
+  const int64_t tb = n_tiles * c / ctas, te = n_tiles * (c + 1) / ctas;
+  const uint8_t* cache = static_cast<const uint8_t*>(a.idx_cache);
+  for (int64_t tile = tb; tile < te; ++tile) {
+    const int64_t j0 = tile * kSimtTile;
+    __syncthreads();  // q/w loaded; the previous tile's keys and partials consumed
+    for (int i = tid; i < kSimtTile * di; i += blockDim.x) {
+      const int e = i / di, d = i % di;
+      const int64_t j = j0 + e;
+      float v = 0.0f;
+      if (j < tok.nv) {
+        const int64_t blk = block_of(a, tok.slot, j / a.per_block);
+        const uint8_t* row = cache + (blk * a.per_block + j % a.per_block) * a.row_bytes;
+        if (a.format == static_cast<int>(IdxFormat::kFp4)) {
+          const uint32_t byte = row[d >> 1];
+          v = fp4_value((d & 1) ? byte >> 4 : byte & 15, row[di / 2 + d / 32]);
+        } else {
+          v = load_value(row, d, a.format);
+        }
+      }
+      k_s[e * ld + d] = v;
+    }
+    __syncthreads();
+    const int e = tid % kSimtTile, hg = tid / kSimtTile;
+    float acc = 0.0f;
+    for (int h = hg; h < nh; h += 8) {
+      const float* qh = q_s + h * di;
+      const float* ke = k_s + e * ld;
+      float dot = 0.0f;
+      for (int d = 0; d < di; ++d) dot = fmaf(qh[d], ke[d], dot);
+      acc = fmaf(w_s[h], fmaxf(dot, 0.0f), acc);
+    }
+    part[hg * kSimtTile + e] = acc;
+    __syncthreads();
+    if (tid < kSimtTile && j0 + tid < tok.nv) {
+      float s = 0.0f;
+      for (int i = 0; i < 8; ++i) s += part[i * kSimtTile + tid];
+      const uint32_t key = order_key(s);
+      ws.keys[tl * ws.n_cap + j0 + tid] = key;
+      atomicAdd(hist + (key >> 20), 1u);
+    }
+  }
+  flush_hist<kSimtThreads>(ws, tl, hist);
+}
+
+// ------------------------------------------------------------------------------------------ selection
+// Digits of the composite key (score key, ~index): level 0 = key bits 31..20 (b1), 1 = bits 19..8, 2 = bits
+// 7..0, 3..6 = the bytes of ~index from the top (so the smaller index wins a tie of scores).
+__device__ __forceinline__ uint32_t digit_of(int level, uint32_t key, uint32_t j) {
+  const uint32_t nj = ~j;
+  switch (level) {
+    case 1: return (key >> 8) & 0xFFF;
+    case 2: return key & 0xFF;
+    case 3: return nj >> 24;
+    case 4: return (nj >> 16) & 0xFF;
+    case 5: return (nj >> 8) & 0xFF;
+    default: return nj & 0xFF;
+  }
+}
+
+// All lanes of the warp call; lanes with `pred` write j at consecutive slots claimed with one atomic.
+__device__ __forceinline__ void emit_warp(bool pred, int32_t j, uint32_t* counter, int32_t* out_row) {
+  const unsigned m = __ballot_sync(0xffffffffu, pred);
+  if (!m) return;
+  const int lane = threadIdx.x & 31, leader = __ffs(m) - 1;
+  uint32_t base = 0;
+  if (lane == leader) base = atomicAdd(counter, static_cast<uint32_t>(__popc(m)));
+  base = __shfl_sync(0xffffffffu, base, leader);
+  if (pred) out_row[base + __popc(m & ((1u << lane) - 1u))] = j;
+}
+
+__host__ __device__ inline int pow2_at_least(int n) {
+  int p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+constexpr int kSmemCand = 4096;  // candidates the last CTA keeps in shared memory
+
+__host__ __device__ inline size_t select_smem_bytes(int topk) {
+  const int p = pow2_at_least(topk);
+  return sizeof(uint32_t) * ((p > kBins ? p : kBins) + 2 * kSmemCand + kDigitBins + kScratchWords);
+}
+
+__global__ void __launch_bounds__(kSelectThreads) select_kernel(const IndexerArgs a, const Ws ws, const int64_t t0,
+                                                                const int ctas) {
+  extern __shared__ uint32_t ssm[];
+  const int p2 = pow2_at_least(a.topk);
+  uint32_t* hist = ssm;                                                  // [kBins]; at the end the sort array
+  uint2* cs = reinterpret_cast<uint2*>(ssm + (p2 > kBins ? p2 : kBins));  // [kSmemCand]
+  uint32_t* dh = reinterpret_cast<uint32_t*>(cs + kSmemCand);            // [kDigitBins]
+  uint32_t* scratch = dh + kDigitBins;
+  const int tid = threadIdx.x, nt = kSelectThreads;
+  const int64_t tl = blockIdx.x / ctas, t = t0 + tl;
+  const int c = static_cast<int>(blockIdx.x % ctas);
+  const Tok tok = token_info(a, t, ws.n_cap);
+  const uint32_t topk = static_cast<uint32_t>(a.topk);
+  int32_t* out_row = a.out + t * a.topk;
+  if (tok.nv <= a.topk) {  // all visible entries, in order, then -1
+    for (int64_t j = static_cast<int64_t>(c) * nt + tid; j < a.topk; j += static_cast<int64_t>(ctas) * nt)
+      out_row[j] = j < tok.nv ? static_cast<int32_t>(j) : -1;
+    return;
+  }
+  uint32_t* ctr = ws.ctr + tl * kCtrWords;
+  const uint32_t* keys = ws.keys + tl * ws.n_cap;
+  uint2* cand = ws.cand + tl * kCandCap;
+
+  // b1: the bin of the k-th largest key (every CTA of the token finds the same)
+  stage_hist<kBins, kSelectThreads>(ws.hist1 + tl * kBins, hist);
+  __syncthreads();
+  uint32_t b1, above1, count;
+  select_bin([&](int b) { return hist[b]; }, kBins, topk, scratch, b1, above1, count);
+  for (int b = tid; b < kBins; b += nt) hist[b] = 0;  // now the histogram of the next 12 bits in bin b1
+  __syncthreads();
+
+  // keys above bin b1 are in; keys in b1 are candidates
+  const int64_t lo = tok.nv * c / ctas, hi = tok.nv * (c + 1) / ctas;
+  constexpr int kUnroll = 8;  // loads in flight
+  for (int64_t base = lo; base < hi; base += kUnroll * nt) {
+    uint32_t kv[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t j = base + u * nt + tid;
+      kv[u] = j < hi ? keys[j] : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t j = base + u * nt + tid;
+      const uint32_t key = kv[u], bin = key >> 20;
+      const bool in = j < hi && bin > b1, is_cand = j < hi && bin == b1;
+      emit_warp(in, static_cast<int32_t>(j), ctr + kEmit, out_row);
+      if (is_cand) atomicAdd(hist + ((key >> 8) & 0xFFF), 1u);
+      const unsigned m = __ballot_sync(0xffffffffu, is_cand);
+      if (m) {
+        const int lane = tid & 31, leader = __ffs(m) - 1;
+        uint32_t pos = 0;
+        if (lane == leader) pos = atomicAdd(ctr + kCand, static_cast<uint32_t>(__popc(m)));
+        pos = __shfl_sync(0xffffffffu, pos, leader) + __popc(m & ((1u << lane) - 1u));
+        if (is_cand && pos < kCandCap) cand[pos] = make_uint2(key, static_cast<uint32_t>(j));
+      }
+    }
+  }
+  __syncthreads();
+  uint32_t* g2 = ws.hist2 + tl * kBins;
+  for (int b = tid; b < kBins; b += nt) {
+    const uint32_t cnt = hist[b];
+    if (cnt) atomicAdd(g2 + b, cnt);
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) scratch[40] = atomicAdd(ctr + kDone2, 1u) == static_cast<uint32_t>(ctas - 1) ? 1u : 0u;
+  __syncthreads();
+  if (!scratch[40]) return;
+  __threadfence();
+
+  // the last CTA of the token: the remaining digits among the keys of bin b1, read from a shared copy of the
+  // candidate list, the list in global memory, or (when it overflowed) the token's keys
+  const uint32_t n_cand = __ldcg(ctr + kCand);
+  const int src = n_cand <= kSmemCand ? 0 : (n_cand <= kCandCap ? 1 : 2);
+  stage_hist<kBins, kSelectThreads>(g2, hist);
+  if (src == 0) {
+    constexpr int kPer = kSmemCand / kSelectThreads;
+    uint2 e[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const uint32_t i = tid + k * nt;
+      e[k] = i < n_cand ? __ldcg(cand + i) : make_uint2(0, 0);
+    }
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) cs[tid + k * nt] = e[k];
+  }
+  __syncthreads();
+  auto for_each = [&](auto&& f) {
+    if (src == 0) {
+      for (uint32_t i = tid; i < n_cand; i += nt) f(cs[i].x, cs[i].y);
+    } else if (src == 1) {
+      for (uint32_t i0 = 0; i0 < n_cand; i0 += 4 * nt) {
+        uint2 e[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const uint32_t i = i0 + u * nt + tid;
+          e[u] = i < n_cand ? __ldcg(cand + i) : make_uint2(0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (i0 + u * nt + tid < n_cand) f(e[u].x, e[u].y);
+      }
+    } else {
+      for (int64_t j0 = 0; j0 < tok.nv; j0 += 4 * nt) {
+        uint32_t kv[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int64_t j = j0 + u * nt + tid;
+          kv[u] = j < tok.nv ? __ldcg(keys + j) : 0u;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int64_t j = j0 + u * nt + tid;
+          if (j < tok.nv && (kv[u] >> 20) == b1) f(kv[u], static_cast<uint32_t>(j));
+        }
+      }
+    }
+  };
+  uint32_t v[7];
+  v[0] = b1;
+  uint32_t need = topk - above1, bin, above;
+  select_bin([&](int b) { return hist[b]; }, kBins, need, scratch, bin, above, count);
+  v[1] = bin;
+  need -= above;
+  bool all = count == need;
+  for (int level = 1; level <= 6; ++level) {
+    for (int b = tid; b < kDigitBins; b += nt) dh[b] = 0;
+    __syncthreads();
+    for_each([&](uint32_t key, uint32_t j) {
+      for (int l = 1; l < level; ++l)
+        if (digit_of(l, key, j) != v[l]) return;
+      const uint32_t d = digit_of(level, key, j);
+      if (d > v[level] || (d == v[level] && all)) {
+        out_row[atomicAdd(ctr + kEmit, 1u)] = static_cast<int32_t>(j);
+      } else if (d == v[level]) {
+        atomicAdd(dh + digit_of(level + 1, key, j), 1u);
+      }
+    });
+    __syncthreads();
+    if (all || level == 6) break;
+    select_bin([&](int b) { return dh[b]; }, kDigitBins, need, scratch, bin, above, count);
+    v[level + 1] = bin;
+    need -= above;
+    all = count == need;
+  }
+
+  // ascending index order: the output does not depend on which CTA emitted what
+  __syncthreads();
+  int* arr = reinterpret_cast<int*>(hist);
+  if (p2 <= kSelectThreads) {  // one element a thread: exchanges within a warp by shuffles
+    int x = tid < a.topk ? __ldcg(out_row + tid) : INT_MAX;
+    for (int k = 2; k <= p2; k <<= 1) {
+      for (int s = k >> 1; s > 0; s >>= 1) {
+        int y;
+        if (s >= 32) {
+          arr[tid] = x;
+          __syncthreads();
+          y = arr[tid ^ s];
+          __syncthreads();
+        } else {
+          y = __shfl_xor_sync(0xffffffffu, x, s);
+        }
+        const bool keep_min = ((tid & k) == 0) == ((tid & s) == 0);
+        x = keep_min ? min(x, y) : max(x, y);
+      }
+    }
+    if (tid < a.topk) out_row[tid] = x;
+    return;
+  }
+  for (int i = tid; i < p2; i += nt) arr[i] = i < a.topk ? __ldcg(out_row + i) : INT_MAX;
+  for (int k = 2; k <= p2; k <<= 1) {
+    for (int s = k >> 1; s > 0; s >>= 1) {
+      __syncthreads();
+      for (int i = tid; i < p2; i += nt) {
+        const int o = i ^ s;
+        if (o > i) {
+          const int x = arr[i], y = arr[o];
+          if ((x > y) == ((i & k) == 0)) {
+            arr[i] = y;
+            arr[o] = x;
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < a.topk; i += nt) out_row[i] = arr[i];
+}
+
+// ------------------------------------------------------------------------------------------ host side
+int64_t n_cap_of(const IndexerArgs& a) { return a.bt_cols * a.per_block; }
+
+int64_t group_tokens(const IndexerArgs& a) {
+  const int64_t per_token = n_cap_of(a) * 4;
+  int64_t g = per_token > 0 ? kKeyBudget / per_token : a.n_tokens;
+  if (g < 1) g = 1;
+  if (g > a.n_tokens) g = a.n_tokens;
+  return g;
+}
+
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+struct WsLayout {
+  size_t keys, cand, zero, zero_bytes, total;
+};
+
+WsLayout ws_layout(const IndexerArgs& a) {
+  const int64_t g = group_tokens(a), n_cap = n_cap_of(a);
+  WsLayout l{};
+  l.keys = 0;
+  l.cand = align256(sizeof(uint32_t) * g * n_cap);
+  l.zero = l.cand + align256(sizeof(uint2) * g * kCandCap);
+  l.zero_bytes = sizeof(uint32_t) * g * (2 * kBins + kCtrWords);
+  l.total = l.zero + align256(l.zero_bytes);
+  return l;
+}
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && v[0] != '\0' && v[0] != '0';
+}
+
+int log2_exact(int64_t v) {  // log2 of a power of two, else -1
+  if (v < 1 || (v & (v - 1))) return -1;
+  int l = 0;
+  while ((int64_t(1) << l) < v) ++l;
+  return l;
+}
+
+bool use_tensor_cores(const IndexerArgs& a) {
+  if (env_flag("DSV4RT_INDEXER_GENERAL")) return false;  // tests: force the general path
+  int dev = 0, major = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  const bool fp4 = a.format == static_cast<int>(IdxFormat::kFp4);
+  // a warp copies 16 rows: whole 16-byte chunks of one block (per_block >= 16) or of each block of them
+  const int64_t run = a.per_block < 16 ? a.per_block : 16;
+  return major == 9 && a.q_dtype == 1 && (fp4 || a.format == static_cast<int>(IdxFormat::kBFloat16)) &&
+         a.n_heads >= 1 && a.n_heads <= kWgHeads && (a.head_dim == 64 || a.head_dim == 128) &&
+         log2_exact(a.per_block) >= 0 && (run * a.row_bytes) % 16 == 0 && (fp4 || a.row_bytes % 16 == 0) &&
+         reinterpret_cast<uintptr_t>(a.idx_cache) % 16 == 0 && reinterpret_cast<uintptr_t>(a.q) % 16 == 0;
+}
+
+template <int DI, bool FP4>
+cudaError_t launch_wgmma(const IndexerArgs& a, const Ws& ws, int64_t t0, int64_t g, cudaStream_t stream) {
+  using C = WgCfg<DI, FP4>;
+  auto kernel = score_wgmma_kernel<DI, FP4>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::kSmem));
+  if (err != cudaSuccess) return err;
+  const int64_t tiles = (n_cap_of(a) + kWgTile - 1) / kWgTile;
+  int64_t ctas = static_cast<int64_t>(num_sms()) * (FP4 ? 4 : 2) / g;  // CTAs an SM: registers (FP4), smem (bf16)
+  if (ctas > tiles) ctas = tiles;
+  if (ctas < 1) ctas = 1;
+  kernel<<<static_cast<unsigned>(g * ctas), 128, C::kSmem, stream>>>(a, ws, t0, static_cast<int>(ctas),
+                                                                     log2_exact(a.per_block));
+  return cudaGetLastError();
+}
+
+cudaError_t launch_score(const IndexerArgs& a, const Ws& ws, int64_t t0, int64_t g, cudaStream_t stream) {
+  if (use_tensor_cores(a)) {
+    const bool fp4 = a.format == static_cast<int>(IdxFormat::kFp4);
+    if (a.head_dim == 128) {
+      return fp4 ? launch_wgmma<128, true>(a, ws, t0, g, stream) : launch_wgmma<128, false>(a, ws, t0, g, stream);
+    }
+    return fp4 ? launch_wgmma<64, true>(a, ws, t0, g, stream) : launch_wgmma<64, false>(a, ws, t0, g, stream);
+  }
+  const size_t smem = simt_smem_bytes(a.n_heads, a.head_dim);
+  cudaError_t err = cudaFuncSetAttribute(score_simt_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  const int64_t tiles = (n_cap_of(a) + kSimtTile - 1) / kSimtTile;
+  int64_t ctas = static_cast<int64_t>(num_sms()) * 4 / g;
+  if (ctas > tiles) ctas = tiles;
+  if (ctas < 1) ctas = 1;
+  score_simt_kernel<<<static_cast<unsigned>(g * ctas), kSimtThreads, smem, stream>>>(a, ws, t0, static_cast<int>(ctas));
+  return cudaGetLastError();
+}
+
+cudaError_t launch_select(const IndexerArgs& a, const Ws& ws, int64_t t0, int64_t g, cudaStream_t stream) {
+  const size_t smem = select_smem_bytes(a.topk);
+  cudaError_t err =
+      cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  const int64_t chunks = (n_cap_of(a) + 4095) / 4096;
+  int64_t ctas = static_cast<int64_t>(num_sms()) * 2 / g;
+  if (ctas > chunks) ctas = chunks;
+  if (ctas < 1) ctas = 1;
+  select_kernel<<<static_cast<unsigned>(g * ctas), kSelectThreads, smem, stream>>>(a, ws, t0, static_cast<int>(ctas));
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+size_t indexer_workspace_bytes(const IndexerArgs& a) { return a.n_tokens > 0 ? ws_layout(a).total : 0; }
+
+bool indexer_supported(const IndexerArgs& a, const char** why) {
+  if (a.topk < 1) {
+    *why = "topk must be positive";
+    return false;
+  }
+  if (select_smem_bytes(a.topk) > 200 * 1024) {
+    *why = "topk too large (at most 32768)";
+    return false;
+  }
+  if (a.format == static_cast<int>(IdxFormat::kFp4) && a.head_dim % 32 != 0) {
+    *why = "FP4 keys need a head dim divisible by 32";
+    return false;
+  }
+  if (!use_tensor_cores(a) && (a.head_dim > 512 || simt_smem_bytes(a.n_heads, a.head_dim) > 200 * 1024)) {
+    *why = "n_heads * head_dim too large for the general path (at most 16384, head dim at most 512)";
+    return false;
+  }
+  return true;
+}
+
+cudaError_t indexer_topk_launch(const IndexerArgs& a, cudaStream_t stream) {
+  if (a.n_tokens == 0) return cudaSuccess;
+  const WsLayout l = ws_layout(a);
+  const int64_t g_max = group_tokens(a), n_cap = n_cap_of(a);
+  uint8_t* w = static_cast<uint8_t*>(a.workspace);
+  Ws ws;
+  ws.keys = reinterpret_cast<uint32_t*>(w + l.keys);
+  ws.cand = reinterpret_cast<uint2*>(w + l.cand);
+  ws.hist1 = reinterpret_cast<uint32_t*>(w + l.zero);
+  ws.hist2 = ws.hist1 + g_max * kBins;
+  ws.ctr = ws.hist2 + g_max * kBins;
+  ws.n_cap = n_cap;
+  for (int64_t t0 = 0; t0 < a.n_tokens; t0 += g_max) {
+    const int64_t g = a.n_tokens - t0 < g_max ? a.n_tokens - t0 : g_max;
+    cudaError_t err = cudaMemsetAsync(w + l.zero, 0, l.zero_bytes, stream);
+    if (err != cudaSuccess) return err;
+    if (n_cap > 0) {
+      err = launch_score(a, ws, t0, g, stream);
+      if (err != cudaSuccess) return err;
+    }
+    err = launch_select(a, ws, t0, g, stream);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace dsv4rt
