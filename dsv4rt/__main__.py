@@ -140,7 +140,8 @@ def cmd_bench(args) -> int:
               batches=tuple(int(b) for b in args.batches.split(",")),
               contexts=tuple(int(c) for c in args.contexts.split(",")),
               long_contexts=tuple(int(c) for c in args.long_contexts.split(",") if c),
-              kv_dtype=args.kv_dtype, dtype=DTYPES[args.dtype], hf=not args.no_hf, backend=args.backend)
+              kv_dtype=args.kv_dtype, dtype=DTYPES[args.dtype], hf=not args.no_hf, backend=args.backend,
+              profile=args.profile)
     return 0
 
 
@@ -187,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--long-contexts", default="65536,1048576", help="contexts run at batch 1 (fast-forwarded)")
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers eager baseline")
     b.add_argument("--backend", choices=["inductor", "aot_eager"], default="aot_eager", help="torch.compile backend")
+    b.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="print the N kernels taking the most device time in each timed step")
     b.set_defaults(fn=cmd_bench)
 
     args = p.parse_args(argv)

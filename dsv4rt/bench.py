@@ -124,6 +124,22 @@ def time_decode(rt: Runtime, handles: list[int], iters: int = 20) -> tuple[float
     return start.elapsed_time(end) / iters, host * 1e3 / iters, key[0]
 
 
+def profile_replay(rt: Runtime, bucket: int, top: int = 20, iters: int = 3, out=sys.stderr) -> None:
+    """Print the `top` kernels of one replayed decode step of `bucket` tokens by device time (torch.profiler over
+    `iters` replays), with the number of kernels per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = rt.runner.graphs[min(k for k in rt.runner.graphs if k[0] >= bucket and not k[1])]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            graph.replay()
+        torch.cuda.synchronize()
+    stats = prof.key_averages()
+    kernels = sum(e.count for e in stats if e.device_time_total > 0) / iters
+    print(f"profile of one replayed step (bucket {bucket}): {kernels:.0f} kernels", file=out)
+    print(stats.table(sort_by="device_time_total", row_limit=top), file=out)
+
+
 def hf_decode_ms(model: Model, batch: int, context: int, iters: int = 5) -> Optional[float]:
     """HF transformers eager, same weights, same card: ms per decode step after a `context`-token prefill."""
     try:
@@ -153,8 +169,9 @@ def hf_decode_ms(model: Model, batch: int, context: int, iters: int = 5) -> Opti
 def run(preset: str = "tiny", layers: Optional[int] = None, experts: Optional[int] = None,
         batches=(1, 8, 32), contexts=(4096,), long_contexts=(65536, 1048576), kv_dtype: str = "fp8",
         dtype: torch.dtype = torch.bfloat16, hf: bool = True, hf_max_batch: int = 8, backend: str = "aot_eager",
-        out=sys.stdout) -> list[Row]:
-    """Decode latency table for one model. Long contexts run at batch 1 (fast-forwarded caches)."""
+        profile: int = 0, out=sys.stdout) -> list[Row]:
+    """Decode latency table for one model. Long contexts run at batch 1 (fast-forwarded caches). `profile` > 0
+    prints that many top kernels of each timed step (to stderr)."""
     cfg = {"tiny": ModelConfig.tiny, "flash": ModelConfig.flash, "pro": ModelConfig.pro}[preset]()
     if experts:
         cfg = cfg.replace(n_experts=experts, n_active=min(cfg.n_active, experts))
@@ -186,6 +203,8 @@ def run(preset: str = "tiny", layers: Optional[int] = None, experts: Optional[in
             row = Row(name, b, context, ms, ms / cfg.num_layers, floor, hf_ms, host_ms)
             rows.append(row)
             print(row.markdown(), file=sys.stderr, flush=True)
+            if profile:
+                profile_replay(rt, bucket, top=profile)
             for h in handles:
                 rt.release(h)
         del rt
