@@ -12,13 +12,13 @@ Run: python -m pytest tests/bench/test_bench_attention.py --benchmark-only -s
 """
 from __future__ import annotations
 
-import statistics
 
 import pytest
 import torch
 
 from dsv4rt.ops.attention import sparse_attn
 from dsv4rt.ops.kv_quant import fp8_row_bytes, kv_fp8_quantize_ref
+from graphtime import capture, median_seconds
 
 pytestmark = pytest.mark.cuda
 
@@ -74,53 +74,6 @@ def _inputs(mode: str, fp8: bool, seed: int) -> tuple[tuple, int]:
     return args, keys * row
 
 
-def _capture(sets: list[tuple], repeats: int) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for args in sets:  # warm-up outside the capture
-            sparse_attn(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for i in range(repeats):
-            sparse_attn(*sets[i % len(sets)])
-    torch.cuda.synchronize()
-    return graph
-
-
-def _time_replay(graph: torch.cuda.CUDAGraph, rounds: int = ROUNDS) -> float:
-    """Median seconds of one replay."""
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    graph.replay()
-    for _ in range(rounds):
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e-3)
-    return statistics.median(times)
-
-
-@pytest.fixture(scope="module")
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (1 GiB buffers)."""
-    n = 1 << 30
-    src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    dst.copy_(src)
-    times = []
-    for _ in range(10):
-        start.record()
-        dst.copy_(src)
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e-3)
-    del src, dst
-    return 2 * n / statistics.median(times)
-
-
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
 @pytest.mark.parametrize("mode", ["decode", "hca_1m"])
 def test_bench_sparse_attn(benchmark, copy_bandwidth, mode, fmt):
@@ -130,8 +83,8 @@ def test_bench_sparse_attn(benchmark, copy_bandwidth, mode, fmt):
     n_sets = max(1, min(16, -(-L2_DEFEAT_BYTES // key_bytes)))
     sets = [first] + [_inputs("decode" if mode == "decode" else "hca", fp8, seed=s)[0] for s in range(1, n_sets)]
     repeats = 16 * n_sets if mode == "hca_1m" else 4 * n_sets
-    graph = _capture(sets, repeats)
-    per_call = _time_replay(graph) / repeats
+    graph = capture(lambda i: sparse_attn(*sets[i % len(sets)]), repeats, warmup=len(sets))
+    per_call = median_seconds(graph.replay, ROUNDS) / repeats
     n_tok = first[0].shape[0]
     keys = key_bytes // (fp8_row_bytes(DIM, ROPE_DIM) if fp8 else 2 * DIM) // n_tok
     flops = 4 * HEADS * DIM * keys * n_tok

@@ -15,7 +15,6 @@ prints one table: the numbers that pick the defaults.
 from __future__ import annotations
 
 import os
-import statistics
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ import torch
 from dsv4rt.ops.compressor import compressor_update
 from dsv4rt.ops.kv_quant import QUANT_FP4, QUANT_FP8, QUANT_NONE, fp4_row_bytes, fp8_row_bytes
 from dsv4rt.ops.swa import swa_cache_write
+from graphtime import capture, median_seconds
 
 HEAD_DIM, INDEX_DIM, ROPE_DIM = 512, 128, 64   # Flash
 CSA_RATIO, HCA_RATIO, WINDOW = 4, 128, 128
@@ -116,56 +116,13 @@ def _swa_args(mode: str, fmt: str, g: torch.Generator) -> tuple[tuple, dict]:
 
 
 def _capture(calls, repeats: int) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn, args in calls:  # warm-up outside the capture
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(repeats):
-            for fn, args in calls:
-                fn(*args)
-    torch.cuda.synchronize()
-    return graph
-
-
-def _time_replay(graph: torch.cuda.CUDAGraph, rounds: int = ROUNDS) -> float:
-    """Median seconds of one replay."""
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    graph.replay()
-    for _ in range(rounds):
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e-3)
-    return statistics.median(times)
-
-
-@pytest.fixture(scope="module")
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (1 GiB buffers)."""
-    n = 1 << 30
-    src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    dst.copy_(src)
-    times = []
-    for _ in range(10):
-        start.record()
-        dst.copy_(src)
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e-3)
-    del src, dst
-    return 2 * n / statistics.median(times)
+    """`repeats` steps of the (fn, args) calls in one graph."""
+    return capture(lambda i: [fn(*args) for fn, args in calls], repeats)
 
 
 def _report(benchmark, graph, repeats: int, nbytes: int, copy_bw: float, info: dict) -> None:
     import dsv4rt.ops
-    per_step = _time_replay(graph) / repeats
+    per_step = median_seconds(graph.replay, ROUNDS) / repeats
     bw = nbytes / per_step
     benchmark.extra_info.update(device=torch.cuda.get_device_name(), repeats=repeats, us_per_step=per_step * 1e6,
                                 bytes=nbytes, achieved_GBps=bw / 1e9, copy_GBps=copy_bw / 1e9,
@@ -189,7 +146,7 @@ def test_bench_compressor_update(benchmark, copy_bandwidth, mode, fmt):
         nbytes += meta["bytes"]
         info[f"{name}_closes"] = meta["closes"]
     for name, call in zip(COMPRESSORS, calls):  # each alone, for the breakdown
-        info[f"{name}_us"] = _time_replay(_capture([call], REPEATS[mode])) / REPEATS[mode] * 1e6
+        info[f"{name}_us"] = median_seconds(_capture([call], REPEATS[mode]).replay, ROUNDS) / REPEATS[mode] * 1e6
     graph = _capture(calls, REPEATS[mode])
     _report(benchmark, graph, REPEATS[mode], nbytes, copy_bandwidth, info)
 
@@ -246,7 +203,7 @@ def test_bench_compressor_sweep(benchmark, copy_bandwidth):
             for cfg in SWEEP.get((mode, name), []):
                 env = {f"DSV4RT_COMPRESSOR_{k}": v for k, v in zip(_KNOBS, cfg.split(","))}
                 graph = _with_env(env, lambda: _capture([(compressor_update, args)], REPEATS[mode]))
-                us = _time_replay(graph) / REPEATS[mode] * 1e6
+                us = median_seconds(graph.replay, ROUNDS) / REPEATS[mode] * 1e6
                 bw = meta["bytes"] / (us * 1e-6)
                 label = " ".join(f"{k}={v or '-'}" for k, v in zip(("K", "G", "chunk", "pipe"), cfg.split(",")))
                 rows.append((mode, name, label, us, bw))
@@ -261,7 +218,7 @@ def test_bench_compressor_sweep(benchmark, copy_bandwidth):
             nbytes += meta["bytes"]
         for pdl in ("1", "0"):
             graph = _with_env({"DSV4RT_COMPRESSOR_PDL": pdl}, lambda: _capture(calls, REPEATS[mode]))
-            us = _time_replay(graph) / REPEATS[mode] * 1e6
+            us = median_seconds(graph.replay, ROUNDS) / REPEATS[mode] * 1e6
             rows.append((mode, "all three", f"pdl={pdl}", us, nbytes / (us * 1e-6)))
     print(f"\ncompressor sweep on {torch.cuda.get_device_name()}, kv_dtype fp8, copy {copy_bandwidth / 1e9:.0f} GB/s")
     print(f"{'mode':<13} {'compressor':<12} {'config':<30} {'us':>8} {'GB/s':>7} {'of copy':>7}")

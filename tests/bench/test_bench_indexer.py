@@ -11,13 +11,13 @@ Run: python -m pytest tests/bench/test_bench_indexer.py --benchmark-only -s
 """
 from __future__ import annotations
 
-import statistics
 
 import pytest
 import torch
 
 from dsv4rt.ops.indexer import indexer_topk, indexer_topk_ref
 from dsv4rt.ops.kv_quant import fp4_row_bytes, hadamard, idx_fp4_fake_quant
+from graphtime import capture, median_seconds
 
 N_HEADS, HEAD_DIM, TOPK, RATIO, PER_BLOCK = 64, 128, 512, 4, 32
 ENTRIES = 256 * 1024                 # candidates a query (a 1M-token context at ratio 4)
@@ -57,53 +57,6 @@ def _inputs(batch: int, fmt: str, n_caches: int, g: torch.Generator) -> tuple[li
     return calls, key_bytes
 
 
-def _capture(calls: list[tuple], repeats: int) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for args in calls:  # warm-up outside the capture
-            indexer_topk(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for i in range(repeats):
-            indexer_topk(*calls[i % len(calls)])
-    torch.cuda.synchronize()
-    return graph
-
-
-def _median_seconds(fn, rounds: int = ROUNDS) -> float:
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    times = []
-    for _ in range(rounds):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e-3)
-    return statistics.median(times)
-
-
-@pytest.fixture(scope="module")
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (1 GiB buffers)."""
-    n = 1 << 30
-    src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
-    t = _median_seconds(lambda: dst.copy_(src))
-    del src, dst
-    return 2 * n / t
-
-
-@pytest.fixture(scope="module")
-def matmul_rate() -> float:
-    """bf16 8192^3 matmul, FLOP per second (random data)."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t = _median_seconds(lambda: a @ b)
-    return 2 * 8192**3 / t
-
-
 def _breakdown(args: tuple) -> dict:
     """Mean kernel microseconds per call by kernel family (profiler on eager calls)."""
     from torch.profiler import ProfilerActivity, profile
@@ -134,8 +87,8 @@ def test_bench_indexer_topk(benchmark, copy_bandwidth, matmul_rate, batch, fmt):
     g = torch.Generator().manual_seed(0)
     calls, key_bytes = _inputs(batch, fmt, ROTATE if batch == 1 else 1, g)
     repeats = REPEATS[batch]
-    graph = _capture(calls, repeats)
-    per_call = _median_seconds(graph.replay) / repeats
+    graph = capture(lambda i: indexer_topk(*calls[i % len(calls)]), repeats, warmup=len(calls))
+    per_call = median_seconds(graph.replay, ROUNDS) / repeats
     read_floor = key_bytes / copy_bandwidth
     flop_floor = 2 * N_HEADS * HEAD_DIM * ENTRIES * batch / matmul_rate
     info = dict(device=torch.cuda.get_device_name(), batch=batch, format=fmt, entries=ENTRIES, topk=TOPK,
@@ -145,7 +98,7 @@ def test_bench_indexer_topk(benchmark, copy_bandwidth, matmul_rate, batch, fmt):
                 achieved_TFLOPs=2 * N_HEADS * HEAD_DIM * ENTRIES * batch / per_call / 1e12)
     info.update(_breakdown(calls[0]))
     if batch == 1:
-        info["reference_us"] = _median_seconds(lambda: indexer_topk_ref(*calls[0]), rounds=3) * 1e6
+        info["reference_us"] = median_seconds(lambda: indexer_topk_ref(*calls[0]), rounds=3) * 1e6
     if fmt == "fp4":
         if batch == 1:
             info["target"] = f"<= {TARGET_B1_US} us: " + ("met" if per_call * 1e6 <= TARGET_B1_US else "not met")

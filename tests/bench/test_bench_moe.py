@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4rt.ops.moe import moe_experts, moe_gate, moe_route
+from graphtime import capture, median_seconds
 
 D, I, E, K = 4096, 2048, 256, 6
 SCALE, LIMIT = 1.5, 10.0
@@ -68,43 +69,6 @@ def moe_weights():
     yield w13, w2, (sg, su, sd), gate, bias
     del w13, w2, sg, su, sd
     torch.cuda.empty_cache()
-
-
-@pytest.fixture(scope="module")
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (1 GiB buffers)."""
-    n = 1 << 30
-    src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
-    src.fill_(7)
-    dst.copy_(src)
-    t = _median_seconds(lambda: dst.copy_(src), 10)
-    del src, dst
-    return 2 * n / t
-
-
-@pytest.fixture(scope="module")
-def matmul_rate() -> float:
-    """bf16 8192^3 torch.mm on random data, FLOP/s."""
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        torch.mm(a, b)
-    t = _median_seconds(lambda: torch.mm(a, b), 10)
-    del a, b
-    return 2 * n**3 / t
-
-
-def _median_seconds(fn, rounds: int) -> float:
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(rounds):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e-3)
-    return statistics.median(times)
 
 
 def _route(x, gate, bias):
@@ -145,24 +109,13 @@ def _inputs(tokens: int, wt):
 
 
 def _capture(fn, sets, repeats: int) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for args in sets:  # warm-up outside the capture
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for r in range(repeats):
-            fn(*sets[r % len(sets)])
-    torch.cuda.synchronize()
-    return graph
+    return capture(lambda r: fn(*sets[r % len(sets)]), repeats, warmup=len(sets))
 
 
 def _time_call(fn, sets, repeats: int) -> tuple[torch.cuda.CUDAGraph, float]:
     graph = _capture(fn, sets, repeats)
     graph.replay()
-    return graph, _median_seconds(graph.replay, ROUNDS) / repeats
+    return graph, median_seconds(graph.replay, ROUNDS) / repeats
 
 
 @pytest.mark.cuda
