@@ -67,7 +67,8 @@ class Runtime:
         first start in a fresh environment took 350 s for 3 buckets of the tiny model (a second start, which
         reuses the compile cache, 9.2 s); aot_eager captured 7 buckets of a 4-layer Flash slice in 18.7 s.
     kernels: on CUDA, "auto" builds/loads the csrc/ kernels and falls back to the reference ops (with a
-        message) when that fails; "native" refuses to start unless every op has a native kernel;
+        message) when that fails; "native" refuses to start unless every op the step calls
+        (`dsv4rt.ops.STEP_OPS`) has a native kernel;
         "reference" does not load the extension (kernels loaded earlier in the process stay registered).
         The environment variable DSV4RT_KERNELS overrides the default.
     log: where progress lines go (default: stderr).
@@ -347,7 +348,7 @@ def _load_kernels(mode: str, on_gpu: bool, log: Callable[[str], None]) -> dict[s
                 raise RuntimeError(f"kernels='native': the CUDA extension failed to build or load: {e}") from e
             log(f"CUDA kernels unavailable ({type(e).__name__}: {e}); running the reference ops")
     coverage = ops.kernel_coverage()
-    missing = [op for op, kind in coverage.items() if kind != "native"]
+    missing = [op for op in ops.STEP_OPS if coverage[op] != "native"]
     if on_gpu and mode == "native" and missing:
         raise RuntimeError(f"kernels='native' but these ops have no CUDA kernel: {', '.join(missing)}")
     return coverage

@@ -18,11 +18,14 @@ import torch
 
 from . import attention, compressor, indexer, kv_quant, mhc, moe, rope, swa  # noqa: F401  (registers the ops)
 
-OPS = (
+# The ops the model's forward calls (what a "native" step needs) ...
+STEP_OPS = (
     "swa_cache_write", "compressor_update", "indexer_topk", "sparse_attn",
-    "kv_fp8_quantize", "kv_fp8_dequantize", "idx_fp4_quantize", "idx_fp4_dequantize",
     "moe_gate", "moe_route", "moe_hash_route", "moe_experts", "hc_pre", "hc_post", "hc_head",
 )
+# ... and every op of the namespace: the standalone FP8/FP4 row codecs serve tests and tools (the cache-write
+# kernels quantise inside their own launch).
+OPS = STEP_OPS + ("kv_fp8_quantize", "kv_fp8_dequantize", "idx_fp4_quantize", "idx_fp4_dequantize")
 
 CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 

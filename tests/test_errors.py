@@ -97,3 +97,20 @@ def test_runtime_argument_errors(model):
         dsv4rt.Runtime(model, max_requests=0)
     with pytest.raises(ValueError, match="fp8 KV layout"):
         dsv4rt.Runtime(dsv4rt.Model.random(CFG.replace(head_dim=96, rope_dim=64)), kv_dtype="fp8")
+
+
+def test_native_kernels_mode_names_the_step_ops_without_a_kernel(monkeypatch):
+    """kernels="native" refuses to start when an op the step calls has no CUDA kernel and names it; the
+    standalone row codecs (not called by the step) do not count."""
+    from dsv4rt import ops
+    from dsv4rt.runtime import _load_kernels
+
+    coverage = {op: "native" for op in ops.OPS}
+    coverage.update(hc_pre="reference", kv_fp8_quantize="reference")
+    monkeypatch.setattr(ops, "load_cuda_kernels", lambda: [])
+    monkeypatch.setattr(ops, "kernel_coverage", lambda: dict(coverage))
+    with pytest.raises(RuntimeError, match="hc_pre") as err:
+        _load_kernels("native", True, print)
+    assert "kv_fp8_quantize" not in str(err.value)
+    coverage["hc_pre"] = "native"
+    assert _load_kernels("native", True, print)["kv_fp8_quantize"] == "reference"
