@@ -1,0 +1,350 @@
+// mHC family (ops/mhc.py): hc_pre and hc_head in at most two launches, hc_post in one. All math in fp32.
+//
+// hc_pre / hc_head (mix rows M = (2+n)n / n over the flattened streams f = x[t] of K = n*D channels):
+//   * partial kernel (only when K > kFusedMaxK): grid (splits, token tiles); CTA (s, i) takes the channel slice
+//     [s*kc, (s+1)*kc) of the tiles' tokens, a warp a token at a time (lanes over float4 columns, the M dot products
+//     and the sum of squares in registers, then a warp butterfly). Its M + 1 partial sums go to the front of the
+//     token's own output row (the collapsed x, D elements: the launcher takes at most as many splits as fit there);
+//   * finish kernel: one CTA per token sums the partials (or, without the partial kernel, computes the whole mix
+//     itself), then mix = dot * rsqrt(mean(f^2) + norm_eps), pre = sigmoid(mix * scale[0] + base) + eps. Only then
+//     (after a barrier) is the output row overwritten: warps 1.. collapse x = sum_j pre[j] x[t, j], while warp 0
+//     computes post and the Sinkhorn matrix (hc_pre): one matrix element per lane (two when n*n > 32), the
+//     matrix in shared memory; row and column sums in index order; the reference's order of normalisations and
+//     eps placement (softmax + eps, column, then iters - 1 times row and column).
+// hc_post: one thread per (token, 4 channels): the n source streams and y in registers, n destination streams out.
+// Every reduction has a fixed order (no atomics), so results are deterministic. Grids depend on shapes only.
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+
+#include <cuda_bf16.h>
+
+#include "launch.cuh"
+#include "mhc.h"
+
+namespace dsv4rt {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kPostThreads = 128;
+constexpr int kMaxN = 8;
+constexpr int64_t kFusedMaxK = 2048;  // up to this many channels per token, the finish kernel computes the mix alone
+constexpr int64_t kSplitAlign = 128;  // channels per split: a multiple of 32 lanes x float4
+
+__device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+
+__device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
+__device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+
+__device__ __forceinline__ void store4(__nv_bfloat16* p, float4 v) {
+  __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
+  uint2 u;
+  u.x = *reinterpret_cast<const uint32_t*>(&a);
+  u.y = *reinterpret_cast<const uint32_t*>(&b);
+  *reinterpret_cast<uint2*>(p) = u;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;  // the butterfly leaves the same bits in every lane
+}
+
+__device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+// acc[m] += fn[m, 4g..4g+3] . f[4g..4g+3] for m < m_rows, acc[CAP] += |f[4g..4g+3]|^2, over float4 groups
+// g = g0, g0 + step, ... < g1.
+template <int CAP, typename T>
+__device__ __forceinline__ void mix_accumulate(float (&acc)[CAP + 1], const float* __restrict__ fn,
+                                               const T* __restrict__ f, int64_t k_dim, int m_rows, int64_t g0,
+                                               int64_t g1, int64_t step) {
+  for (int64_t g = g0; g < g1; g += step) {
+    const float4 xv = load4(f + 4 * g);
+    acc[CAP] += xv.x * xv.x + xv.y * xv.y + xv.z * xv.z + xv.w * xv.w;
+#pragma unroll
+    for (int m = 0; m < CAP; ++m) {
+      if (m < m_rows) {
+        const float4 w = __ldg(reinterpret_cast<const float4*>(fn + m * k_dim + 4 * g));
+        acc[m] += w.x * xv.x + w.y * xv.y + w.z * xv.z + w.w * xv.w;
+      }
+    }
+  }
+}
+
+template <int CAP, typename T>
+__global__ void __launch_bounds__(kThreads) hc_mix_partial_kernel(HcMixArgs a, int m_rows, int64_t kc,
+                                                                  int tokens_per_warp) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t k_dim = static_cast<int64_t>(a.n) * a.d;
+  const int split = blockIdx.x;
+  const int64_t g0 = split * kc / 4, g1 = (k_dim < (split + 1) * kc ? k_dim : (split + 1) * kc) / 4;
+  const int64_t t0 = (static_cast<int64_t>(blockIdx.y) * kWarps + warp) * tokens_per_warp;
+  const T* x = static_cast<const T*>(a.x);
+  for (int i = 0; i < tokens_per_warp; ++i) {
+    const int64_t t = t0 + i;
+    if (t >= a.n_tokens) break;
+    float acc[CAP + 1] = {};
+    mix_accumulate<CAP>(acc, a.fn, x + t * k_dim, k_dim, m_rows, g0 + lane, g1, 32);
+    // partial sums of split s: floats [s*(M+1), (s+1)*(M+1)) of the token's output row; the sum of squares last
+    float* part = reinterpret_cast<float*>(static_cast<T*>(a.out) + t * a.d) + split * (m_rows + 1);
+#pragma unroll
+    for (int m = 0; m <= CAP; ++m) {
+      if (m < m_rows || m == CAP) {
+        const float v = warp_sum(acc[m]);
+        if (lane == 0) part[m == CAP ? m_rows : m] = v;
+      }
+    }
+  }
+}
+
+template <int CAP, typename T>
+__global__ void __launch_bounds__(kThreads) hc_mix_finish_kernel(HcMixArgs a, int m_rows, int n_splits) {
+  __shared__ float s_mix[CAP + 1];
+  __shared__ float s_red[kWarps][CAP + 1];
+  __shared__ float s_pre[kMaxN];
+  __shared__ float s_c[kMaxN * kMaxN];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t t = blockIdx.x;
+  const int n = a.n, d = a.d;
+  const int64_t k_dim = static_cast<int64_t>(n) * d;
+  T* out_row = static_cast<T*>(a.out) + t * d;
+  const T* x_row = static_cast<const T*>(a.x) + t * k_dim;
+
+  if (n_splits > 0) {
+    const float* part = reinterpret_cast<const float*>(out_row);
+    for (int i = warp; i <= m_rows; i += kWarps) {
+      float v = 0.0f;
+      for (int s = lane; s < n_splits; s += 32) v += part[s * (m_rows + 1) + i];
+      v = warp_sum(v);
+      if (lane == 0) s_mix[i] = v;
+    }
+  } else {
+    float acc[CAP + 1] = {};
+    mix_accumulate<CAP>(acc, a.fn, x_row, k_dim, m_rows, threadIdx.x, k_dim / 4, kThreads);
+#pragma unroll
+    for (int m = 0; m <= CAP; ++m) {
+      if (m < m_rows || m == CAP) {
+        const float v = warp_sum(acc[m]);
+        if (lane == 0) s_red[warp][m == CAP ? m_rows : m] = v;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x <= m_rows) {
+      float v = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) v += s_red[w][threadIdx.x];
+      s_mix[threadIdx.x] = v;
+    }
+  }
+  __syncthreads();  // the partials in out_row are all read: the row may be overwritten after the next barrier
+  const float rms = 1.0f / sqrtf(s_mix[m_rows] / static_cast<float>(k_dim) + a.norm_eps);
+  if (threadIdx.x < n) s_pre[threadIdx.x] = sigmoidf(s_mix[threadIdx.x] * rms * a.scale[0] + a.base[threadIdx.x]) + a.eps;
+  __syncthreads();
+
+  if (!a.head && warp == 0) {
+    if (lane < n) a.post[t * n + lane] = 2.0f * sigmoidf(s_mix[n + lane] * rms * a.scale[1] + a.base[n + lane]);
+    const int nn = n * n;
+    const float s2 = a.scale[2];
+    float c[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int idx = lane + 32 * r;
+      if (idx < nn) {
+        c[r] = s_mix[2 * n + idx] * rms * s2 + a.base[2 * n + idx];
+        s_c[idx] = c[r];
+      }
+    }
+    __syncwarp();
+    // softmax over k (the row), + eps
+    float mx[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int idx = lane + 32 * r;
+      if (idx < nn) {
+        const int j = idx / n;
+        float m = s_c[j * n];
+        for (int k = 1; k < n; ++k) m = fmaxf(m, s_c[j * n + k]);
+        mx[r] = expf(c[r] - m);
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int idx = lane + 32 * r;
+      if (idx < nn) s_c[idx] = mx[r];
+    }
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int idx = lane + 32 * r;
+      if (idx < nn) {
+        const int j = idx / n;
+        float s = 0.0f;
+        for (int k = 0; k < n; ++k) s += s_c[j * n + k];
+        c[r] = mx[r] / s + a.eps;
+      }
+    }
+    // rows: divide by sum_k C[j][k] + eps; columns: by sum_j C[j][k] + eps
+    auto normalise = [&](bool rows) {
+      __syncwarp();
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int idx = lane + 32 * r;
+        if (idx < nn) s_c[idx] = c[r];
+      }
+      __syncwarp();
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int idx = lane + 32 * r;
+        if (idx < nn) {
+          const int j = idx / n, k = idx - j * n;
+          float s = 0.0f;
+          if (rows) {
+            for (int kk = 0; kk < n; ++kk) s += s_c[j * n + kk];
+          } else {
+            for (int jj = 0; jj < n; ++jj) s += s_c[jj * n + k];
+          }
+          c[r] = c[r] / (s + a.eps);
+        }
+      }
+    };
+    normalise(false);
+    for (int it = 1; it < a.iters; ++it) {
+      normalise(true);
+      normalise(false);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int idx = lane + 32 * r;
+      if (idx < nn) a.comb[t * nn + idx] = c[r];
+    }
+  } else {
+    // collapse: x[t] = sum_j pre[j] x[t, j] (warp 0 is busy with Sinkhorn in hc_pre)
+    const int first = a.head ? 0 : 32;
+    for (int g = threadIdx.x - first; g < d / 4; g += kThreads - first) {
+      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int j = 0; j < n; ++j) {
+        const float4 xv = load4(x_row + static_cast<int64_t>(j) * d + 4 * g);
+        const float p = s_pre[j];
+        acc.x += p * xv.x;
+        acc.y += p * xv.y;
+        acc.z += p * xv.z;
+        acc.w += p * xv.w;
+      }
+      store4(out_row + 4 * g, acc);
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kPostThreads) hc_post_kernel(HcPostArgs a) {
+  const int n = a.n, d = a.d;
+  const int64_t groups = d / 4;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kPostThreads + threadIdx.x;
+  if (i >= a.n_tokens * groups) return;
+  const int64_t t = i / groups, g = i - t * groups;
+  const T* x = static_cast<const T*>(a.x) + t * n * d + 4 * g;
+  T* out = static_cast<T*>(a.out) + t * n * d + 4 * g;
+  float4 xv[kMaxN];
+#pragma unroll
+  for (int j = 0; j < kMaxN; ++j) {
+    if (j < n) xv[j] = load4(x + static_cast<int64_t>(j) * d);
+  }
+  const float4 yv = load4(static_cast<const T*>(a.y) + t * d + 4 * g);
+  const float* comb = a.comb + t * n * n;
+  const float* post = a.post + t * n;
+#pragma unroll
+  for (int k = 0; k < kMaxN; ++k) {
+    if (k < n) {
+      float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+      for (int j = 0; j < kMaxN; ++j) {
+        if (j < n) {
+          const float c = __ldg(comb + j * n + k);
+          s.x += c * xv[j].x;
+          s.y += c * xv[j].y;
+          s.z += c * xv[j].z;
+          s.w += c * xv[j].w;
+        }
+      }
+      const float p = __ldg(post + k);
+      store4(out + static_cast<int64_t>(k) * d,
+             make_float4(p * yv.x + s.x, p * yv.y + s.y, p * yv.z + s.z, p * yv.w + s.w));
+    }
+  }
+}
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+template <int CAP, typename T>
+cudaError_t launch_mix(const HcMixArgs& a, int m_rows, cudaStream_t stream) {
+  const int64_t k_dim = static_cast<int64_t>(a.n) * a.d;
+  // splits whose partials (M + 1 floats each) fit in the token's output row
+  const int64_t max_fit = static_cast<int64_t>(a.d) * static_cast<int64_t>(sizeof(T)) / 4 / (m_rows + 1);
+  int n_splits = 0;
+  const char* env = std::getenv("DSV4RT_MHC_SPLIT");  // "0": the finish kernel computes the mix (tests)
+  const bool fused = k_dim <= kFusedMaxK || max_fit < 2 || (env != nullptr && env[0] == '0' && env[1] == '\0');
+  if (!fused) {
+    const int tokens_per_warp = a.n_tokens <= 64 ? 1 : a.n_tokens <= 256 ? 2 : 4;
+    const int64_t tiles = cdiv(a.n_tokens, static_cast<int64_t>(kWarps) * tokens_per_warp);
+    int64_t want = cdiv(2 * static_cast<int64_t>(num_sms()), tiles);
+    want = want < max_fit ? want : max_fit;
+    const int64_t kc = cdiv(cdiv(k_dim, want), kSplitAlign) * kSplitAlign;
+    const int64_t splits = cdiv(k_dim, kc);
+    if (splits >= 2) {
+      if (tiles > 65535) return cudaErrorInvalidConfiguration;
+      n_splits = static_cast<int>(splits);
+      hc_mix_partial_kernel<CAP, T><<<dim3(n_splits, static_cast<unsigned>(tiles)), kThreads, 0, stream>>>(
+          a, m_rows, kc, tokens_per_warp);
+      const cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+    }
+  }
+  if (a.n_tokens > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  hc_mix_finish_kernel<CAP, T><<<static_cast<unsigned>(a.n_tokens), kThreads, 0, stream>>>(a, m_rows, n_splits);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t dispatch_mix(const HcMixArgs& a, cudaStream_t stream) {
+  const int m_rows = a.head ? a.n : (2 + a.n) * a.n;
+  if (m_rows <= 8) return launch_mix<8, T>(a, m_rows, stream);
+  if (m_rows <= 24) return launch_mix<24, T>(a, m_rows, stream);
+  if (m_rows <= 48) return launch_mix<48, T>(a, m_rows, stream);
+  if (m_rows <= 80) return launch_mix<80, T>(a, m_rows, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t hc_mix_launch(const HcMixArgs& a, cudaStream_t stream) {
+  if (a.n_tokens == 0) return cudaSuccess;
+  if (a.n < 1 || a.n > kMaxN || a.d % 4 != 0) return cudaErrorInvalidValue;
+  switch (a.dtype) {
+    case 0: return dispatch_mix<float>(a, stream);
+    case 1: return dispatch_mix<__nv_bfloat16>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t hc_post_launch(const HcPostArgs& a, cudaStream_t stream) {
+  if (a.n_tokens == 0) return cudaSuccess;
+  if (a.n < 1 || a.n > kMaxN || a.d % 4 != 0) return cudaErrorInvalidValue;
+  const int64_t blocks = cdiv(a.n_tokens * (a.d / 4), kPostThreads);
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  switch (a.dtype) {
+    case 0: hc_post_kernel<float><<<static_cast<unsigned>(blocks), kPostThreads, 0, stream>>>(a); break;
+    case 1: hc_post_kernel<__nv_bfloat16><<<static_cast<unsigned>(blocks), kPostThreads, 0, stream>>>(a); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace dsv4rt

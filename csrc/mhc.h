@@ -1,0 +1,45 @@
+// Launchers of the mHC family (csrc/mhc.cu), called by the torch binding (csrc/mhc.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace dsv4rt {
+
+// hc_pre (head = false) and hc_head (head = true). All tensors contiguous; fn, base, scale, post, comb fp32.
+struct HcMixArgs {
+  const void* x;      // [T, n, D] activation dtype
+  const float* fn;    // [M, n*D], M = (2+n)n (pre) or n (head)
+  const float* base;  // [M]
+  const float* scale; // [3] (pre) or [1] (head)
+  void* out;          // [T, D] activation dtype (collapsed streams)
+  float* post;        // [T, n] (pre only)
+  float* comb;        // [T, n, n] (pre only)
+  int64_t n_tokens;
+  int n;
+  int d;
+  int iters;
+  int dtype;  // 0 float32, 1 bfloat16
+  bool head;
+  float eps;
+  float norm_eps;
+};
+
+// hc_post: out[t, k] = post[t, k] * y[t] + sum_j comb[t, j, k] * x[t, j].
+struct HcPostArgs {
+  const void* x;        // [T, n, D]
+  const void* y;        // [T, D]
+  const float* post;    // [T, n]
+  const float* comb;    // [T, n, n]
+  void* out;            // [T, n, D]
+  int64_t n_tokens;
+  int n;
+  int d;
+  int dtype;  // 0 float32, 1 bfloat16
+};
+
+cudaError_t hc_mix_launch(const HcMixArgs& args, cudaStream_t stream);
+cudaError_t hc_post_launch(const HcPostArgs& args, cudaStream_t stream);
+
+}  // namespace dsv4rt

@@ -1,0 +1,68 @@
+"""mHC ops (hc_pre, hc_post, hc_head), CUDA-graph replayed, Flash dims (n = 4, D = 4096, 20 Sinkhorn iterations,
+bf16 streams), decode T = 1 and T = 64: the native kernels against the references (ops/mhc.py, plain torch) on the
+same card in the same run.
+
+Each graph holds REPEATS calls of one op on fixed inputs; time per call = median replay time / REPEATS.
+Run: python -m pytest tests/bench/test_bench_mhc.py --benchmark-only -s
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4rt.ops.mhc import hc_head, hc_head_ref, hc_post, hc_post_ref, hc_pre, hc_pre_ref
+from graphtime import capture, median_seconds
+
+N, D, ITERS, EPS = 4, 4096, 20, 1e-6
+REPEATS = 50
+ROUNDS = 20
+RESULTS: dict[tuple[str, int], tuple[float, float]] = {}
+
+
+def _args(op: str, n_tok: int) -> tuple:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n_tok, N, D, generator=g).to(torch.bfloat16)
+    if op == "hc_pre":
+        m = (2 + N) * N
+        args = (x, torch.randn(m, N * D, generator=g) * 2 * (N * D) ** -0.5, torch.randn(m, generator=g) * 0.5,
+                torch.tensor([0.7, 1.3, 2.0]), ITERS, EPS, EPS)
+    elif op == "hc_head":
+        args = (x, torch.randn(N, N * D, generator=g) * 2 * (N * D) ** -0.5, torch.randn(N, generator=g) * 0.5,
+                torch.tensor([1.5]), EPS, EPS)
+    else:
+        args = (x, torch.randn(n_tok, D, generator=g).to(torch.bfloat16), 2 * torch.sigmoid(torch.randn(n_tok, N)),
+                torch.softmax(torch.randn(n_tok, N, N, generator=g), -1))
+    return tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+OPS = {"hc_pre": (hc_pre, hc_pre_ref), "hc_post": (hc_post, hc_post_ref), "hc_head": (hc_head, hc_head_ref)}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_tok", [1, 64])
+@pytest.mark.parametrize("op", list(OPS))
+def test_bench_mhc(benchmark, op, n_tok):
+    import dsv4rt.ops
+    wrapper, ref = OPS[op]
+    args = _args(op, n_tok)
+    graph = capture(lambda i: wrapper(*args), REPEATS)
+    us = median_seconds(graph.replay, ROUNDS) / REPEATS * 1e6
+    ref_us = median_seconds(capture(lambda i: ref(*args), REPEATS).replay, ROUNDS) / REPEATS * 1e6
+    RESULTS[(op, n_tok)] = (us, ref_us)
+    cov = dsv4rt.ops.kernel_coverage()[op]
+    benchmark.extra_info.update(device=torch.cuda.get_device_name(), op=op, tokens=n_tok, repeats=REPEATS,
+                                us_per_call=us, reference_us_per_call=ref_us, speedup=ref_us / us, coverage=cov)
+    print(f"\n{op} T={n_tok}: {us:.2f} us/call ({cov}) vs reference {ref_us:.2f} us/call: {ref_us / us:.1f}x "
+          f"on {torch.cuda.get_device_name()}")
+    benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=ROUNDS, warmup_rounds=2)
+
+
+@pytest.mark.cuda
+def test_bench_mhc_summary(benchmark):
+    """The table of the runs above (run the file as a whole)."""
+    print(f"\nmHC ops, Flash dims (n={N}, D={D}, bf16, iters={ITERS}), graph-replayed, on {torch.cuda.get_device_name()}")
+    print(f"{'op':<8} {'T':>4} {'native us':>10} {'reference us':>13} {'speedup':>8}")
+    for (op, n_tok), (us, ref_us) in sorted(RESULTS.items()):
+        print(f"{op:<8} {n_tok:>4} {us:10.2f} {ref_us:13.2f} {ref_us / us:7.1f}x")
+    benchmark.extra_info.update(results={f"{k[0]}_T{k[1]}": v for k, v in RESULTS.items()})
+    benchmark.pedantic(lambda: torch.cuda.synchronize(), rounds=1)

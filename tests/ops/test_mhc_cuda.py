@@ -1,0 +1,205 @@
+"""CUDA kernels of the mHC family (csrc/mhc.cu) against the references of ops/mhc.py (run on the CPU, fp32).
+
+Shapes: n = 4 streams (plus n = 1, 2, 3, 8 at small sizes), D = 128 (tiny model) and 4096 (Flash), T = 1, 7, 64,
+300 tokens, x in float32 and bfloat16, 1 and 20 Sinkhorn iterations. hc_pre / hc_head run two kernels when n*D is
+large (the mix split over CTAs, partial sums staged in the output rows) and one otherwise; DSV4RT_MHC_SPLIT=0
+forces the single-kernel path at Flash size too. Outputs are poisoned: the caching allocator is handed NaN-filled
+blocks of the outputs' sizes just before the call, so the op's fresh outputs start as NaN (an element the kernel
+failed to write, or a partial sum read from the wrong place, shows).
+Tolerances (the mix sums n*D products in another order; 2 * iters - 1 Sinkhorn normalisations in the reference's
+order): fp32 outputs within 1e-5 of the reference's largest magnitude; bf16 outputs within one bf16 ulp of the
+reference value (plus the same 1e-5).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4rt.ops.mhc import hc_head, hc_head_ref, hc_post, hc_post_ref, hc_pre, hc_pre_ref
+
+pytestmark = pytest.mark.cuda
+
+EPS, NORM_EPS = 1e-6, 1e-6
+REL = 1e-5  # fp32 math, different summation order
+TOKENS = [1, 7, 64, 300]
+DIMS = [128, 4096]  # tiny model, Flash
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _pre_inputs(n_tok: int, n: int, d: int, dtype: torch.dtype, seed: int = 0) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    m = (2 + n) * n
+    x = torch.randn(n_tok, n, d, generator=g).to(dtype)
+    fn = torch.randn(m, n * d, generator=g) * 2.0 * (n * d) ** -0.5  # mix O(1): sigmoid/softmax not saturated
+    base = torch.randn(m, generator=g) * 0.5
+    scale = torch.tensor([0.7, 1.3, 2.0])
+    return x, fn, base, scale
+
+
+def _head_inputs(n_tok: int, n: int, d: int, dtype: torch.dtype, seed: int = 0) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_tok, n, d, generator=g).to(dtype)
+    fn = torch.randn(n, n * d, generator=g) * 2.0 * (n * d) ** -0.5
+    return x, fn, torch.randn(n, generator=g) * 0.5, torch.tensor([1.5])
+
+
+def _post_inputs(n_tok: int, n: int, d: int, dtype: torch.dtype, seed: int = 0) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_tok, n, d, generator=g).to(dtype)
+    y = torch.randn(n_tok, d, generator=g).to(dtype)
+    post = 2 * torch.sigmoid(torch.randn(n_tok, n, generator=g))
+    comb = torch.softmax(2 * torch.randn(n_tok, n, n, generator=g), dim=-1)  # not symmetric
+    return x, y, post, comb
+
+
+def _cuda(args: tuple) -> tuple:
+    return tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _poisoned(fn, shapes_dtypes):
+    """Run fn() right after freeing NaN-filled blocks of the outputs' sizes (the allocator hands them out again)."""
+    poison = [torch.full(s, float("nan"), dtype=dt, device="cuda") for s, dt in shapes_dtypes]
+    del poison
+    return fn()
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    got, want = got.cpu().float(), want.float()
+    assert torch.isfinite(got).all(), f"{what}: non-finite values (unwritten output?)"
+    tol = REL * want.abs().max().clamp_min(1e-30)
+    err = (got - want).abs()
+    assert (err <= tol).all(), f"{what}: max |err| {err.max().item():.3g} > {tol.item():.3g}"
+
+
+def _assert_close_dtype(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    if want.dtype != torch.bfloat16:
+        return _assert_close(got, want, what)
+    g, w = got.cpu().float(), want.float()
+    assert torch.isfinite(g).all(), f"{what}: non-finite values (unwritten output?)"
+    # one bf16 ulp of the reference value: 2^(floor(log2 |w|) - 7)
+    ulp = torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(1e-30))) - 7)
+    bound = ulp + REL * w.abs().max()
+    err = (g - w).abs()
+    assert (err <= bound).all(), f"{what}: {(err > bound).sum().item()} values off by more than one bf16 ulp"
+
+
+def _check_pre(n_tok, n, d, dtype, iters):
+    args = _pre_inputs(n_tok, n, d, dtype)
+    want = hc_pre_ref(*args, iters, EPS, NORM_EPS)
+    dev = _cuda(args)
+    got = _poisoned(lambda: hc_pre(*dev, iters, EPS, NORM_EPS),
+                    [((n_tok, d), dtype), ((n_tok, n), torch.float32), ((n_tok, n, n), torch.float32)])
+    for name, g, w in zip(("x", "post", "comb"), got, want):
+        _assert_close_dtype(g, w, f"hc_pre {name}")
+
+
+@pytest.mark.parametrize("iters", [1, 20])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("n_tok", TOKENS)
+def test_hc_pre_matches_reference(n_tok, d, dtype, iters):
+    _check_pre(n_tok, 4, d, dtype, iters)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("n_tok", TOKENS)
+def test_hc_head_matches_reference(n_tok, d, dtype):
+    args = _head_inputs(n_tok, 4, d, dtype)
+    want = hc_head_ref(*args, EPS, NORM_EPS)
+    dev = _cuda(args)
+    got = _poisoned(lambda: hc_head(*dev, EPS, NORM_EPS), [((n_tok, d), dtype)])
+    _assert_close_dtype(got, want, "hc_head")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("n_tok", TOKENS)
+def test_hc_post_matches_reference(n_tok, d, dtype):
+    args = _post_inputs(n_tok, 4, d, dtype)
+    want = hc_post_ref(*args)
+    dev = _cuda(args)
+    got = _poisoned(lambda: hc_post(*dev), [((n_tok, 4, d), dtype)])
+    _assert_close_dtype(got, want, "hc_post")
+
+
+# n other than 4: mix rows (2+n)n = 3, 8, 15, 80 (every register-tile size), n*n > 32 Sinkhorn lanes at n = 8;
+# d = 1024 splits the mix over CTAs for n >= 3, d = 128 does not
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [128, 1024])
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_other_stream_counts(n, d, dtype):
+    _check_pre(7, n, d, dtype, 20)
+    args = _head_inputs(7, n, d, dtype)
+    _assert_close_dtype(hc_head(*_cuda(args), EPS, NORM_EPS), hc_head_ref(*args, EPS, NORM_EPS), "hc_head")
+    args = _post_inputs(7, n, d, dtype)
+    _assert_close_dtype(hc_post(*_cuda(args)), hc_post_ref(*args), "hc_post")
+
+
+@pytest.mark.parametrize("n_tok", [1, 64])
+def test_single_kernel_path(monkeypatch, n_tok):
+    """DSV4RT_MHC_SPLIT=0: the finish kernel computes the whole mix (the path of small n*D) at Flash size."""
+    monkeypatch.setenv("DSV4RT_MHC_SPLIT", "0")
+    for dtype in DTYPES:
+        _check_pre(n_tok, 4, 4096, dtype, 20)
+        args = _head_inputs(n_tok, 4, 4096, dtype)
+        _assert_close_dtype(hc_head(*_cuda(args), EPS, NORM_EPS), hc_head_ref(*args, EPS, NORM_EPS), "hc_head")
+
+
+def test_deterministic():
+    """Fixed reduction order: two calls give the same bits (the trace tests compare kernel with kernel exactly)."""
+    dev = _cuda(_pre_inputs(64, 4, 4096, torch.bfloat16))
+    a, b = hc_pre(*dev, 20, EPS, NORM_EPS), hc_pre(*dev, 20, EPS, NORM_EPS)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+    dev = _cuda(_head_inputs(64, 4, 4096, torch.bfloat16))
+    assert torch.equal(hc_head(*dev, EPS, NORM_EPS), hc_head(*dev, EPS, NORM_EPS))
+
+
+@pytest.mark.parametrize("n_tok", [1, 64])
+def test_graph_replay(n_tok):
+    """hc_pre -> hc_post -> hc_head captured in one CUDA graph; replays on new input values equal eager calls."""
+    d = 4096
+    x, fn, base, scale = _cuda(_pre_inputs(n_tok, 4, d, torch.bfloat16))
+    _, hfn, hbase, hscale = _cuda(_head_inputs(n_tok, 4, d, torch.bfloat16, seed=1))
+    y = torch.randn(n_tok, d, device="cuda").to(torch.bfloat16)
+
+    def step():
+        xc, post, comb = hc_pre(x, fn, base, scale, 20, EPS, NORM_EPS)
+        streams = hc_post(x, y + xc, post, comb)
+        return xc, post, comb, streams, hc_head(streams, hfn, hbase, hscale, EPS, NORM_EPS)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        outs = step()
+    for seed in (2, 3):
+        g = torch.Generator().manual_seed(seed)
+        x.copy_(torch.randn(x.shape, generator=g).to(x.dtype))
+        y.copy_(torch.randn(y.shape, generator=g).to(y.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(outs, step()):
+            assert torch.equal(got, want)
+
+
+def test_errors():
+    x, fn, base, scale = _cuda(_pre_inputs(3, 4, 128, torch.float32))
+    with pytest.raises(RuntimeError, match="hc_pre: fn must"):
+        torch.ops.dsv4rt.hc_pre.default(x, fn.double(), base, scale, 20, EPS, NORM_EPS)
+    with pytest.raises(RuntimeError, match="hc_pre: x must be float32 or bfloat16"):
+        torch.ops.dsv4rt.hc_pre.default(x.half(), fn, base, scale, 20, EPS, NORM_EPS)
+    x9 = torch.randn(2, 9, 8, device="cuda")
+    with pytest.raises(RuntimeError, match=r"hc_head: n = x.size\(1\) must be in \[1, 8\]"):
+        torch.ops.dsv4rt.hc_head.default(x9, torch.randn(9, 72, device="cuda"), torch.randn(9, device="cuda"),
+                                         torch.ones(1, device="cuda"), EPS, NORM_EPS)
+    x6 = torch.randn(2, 4, 6, device="cuda")
+    with pytest.raises(RuntimeError, match="hc_post: D = x.size\\(2\\) must be a positive multiple of 4"):
+        torch.ops.dsv4rt.hc_post.default(x6, torch.randn(2, 6, device="cuda"), torch.rand(2, 4, device="cuda"),
+                                         torch.rand(2, 4, 4, device="cuda"))
