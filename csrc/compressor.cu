@@ -35,6 +35,7 @@
 #include <cstdlib>
 
 #include "compressor.h"
+#include "async_copy.cuh"
 #include "kv_quant.cuh"
 #include "launch.cuh"
 
@@ -66,16 +67,6 @@ __device__ __forceinline__ float comp(const float4& v, int k) {
   return k == 0 ? v.x : (k == 1 ? v.y : (k == 2 ? v.z : v.w));
 }
 
-// 16-byte global -> shared copy that completes asynchronously (visible to the issuing thread after the wait).
-__device__ __forceinline__ void cp_async16(float4* dst, const float* src) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 template <typename T>
 __device__ __forceinline__ void store4(T* p, const float (&v)[4]);

@@ -25,6 +25,7 @@
 #include <cuda_fp16.h>
 
 #include "indexer.h"
+#include "async_copy.cuh"
 #include "launch.cuh"
 
 namespace dsv4rt {
@@ -168,14 +169,6 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 // a * b per bf16 half, exact for the power-of-two scales used here (adding -0 keeps an exact +0)
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {

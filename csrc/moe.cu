@@ -29,10 +29,13 @@
 #include <cuda_fp16.h>
 
 #include "launch.cuh"
+#include "async_copy.cuh"
 #include "moe.h"
 
 namespace dsv4rt {
 namespace {
+
+using dsv4rt::cp_async16;  // async_copy.cuh; the L2-hinted variant below overloads it
 
 constexpr int kRouteWarps = 4;     // tokens per router CTA
 constexpr int kPlanThreads = 1024;
@@ -801,18 +804,6 @@ __device__ __forceinline__ void cp_async16(uint4* dst, const void* src, bool val
                : "memory");
 }
 
-// The same with the default L2 policy (operands other CTAs read too).
-__device__ __forceinline__ void cp_async16(uint4* dst, const void* src) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 
 // Run by one warp. Slots in a fixed order (the shared expert, then routed experts by first appearance in ids), so
 // every CTA of both kernels derives the same plan; the weighted sums run in that order: deterministic.
