@@ -30,6 +30,7 @@
 
 #include "launch.cuh"
 #include "async_copy.cuh"
+#include "kv_quant.cuh"  // Num<T>, round_to<T>
 #include "moe.h"
 
 namespace dsv4rt {
@@ -83,31 +84,6 @@ __device__ __forceinline__ uint4 ld_coherent(const void* p) {
   return v;
 }
 
-template <typename T>
-struct Num;
-
-template <>
-struct Num<float> {
-  static __device__ __forceinline__ float to_float(float v) { return v; }
-  static __device__ __forceinline__ float from_float(float v) { return v; }
-};
-
-template <>
-struct Num<__nv_bfloat16> {
-  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-  static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-};
-
-template <>
-struct Num<__half> {
-  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-  static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
-};
-
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {
-  return Num<T>::to_float(Num<T>::from_float(v));
-}
 
 // silu(min(g, L)) * clamp(u, -L, L) with the reference's roundings to T: the projections (the matmul output),
 // the clamps, silu; the caller rounds the product when it stores it.
@@ -193,7 +169,7 @@ __device__ __forceinline__ float4 load4_half(const T* p) {
   uint2 v;
   asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
   const T* h = reinterpret_cast<const T*>(&v);
-  return make_float4(Num<T>::to_float(h[0]), Num<T>::to_float(h[1]), Num<T>::to_float(h[2]), Num<T>::to_float(h[3]));
+  return make_float4(Num<T>::load(h[0]), Num<T>::load(h[1]), Num<T>::load(h[2]), Num<T>::load(h[3]));
 }
 
 template <>
@@ -595,8 +571,8 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_up_mma_kernel(const GemvA
         }
         // lane (g, c): gate (h0, h1) and up (h2, h3) of channel i for tokens q0 = 2c and q0 + 1 of the group
         const int q0 = base + gi * 8 + 2 * c;
-        if (q0 < n) act[(off + q0) * I + i] = Num<T>::from_float(clamped_swiglu<T>(h[0], h[2], a.limit));
-        if (q0 + 1 < n) act[(off + q0 + 1) * I + i] = Num<T>::from_float(clamped_swiglu<T>(h[1], h[3], a.limit));
+        if (q0 < n) act[(off + q0) * I + i] = Num<T>::store(clamped_swiglu<T>(h[0], h[2], a.limit));
+        if (q0 + 1 < n) act[(off + q0 + 1) * I + i] = Num<T>::store(clamped_swiglu<T>(h[1], h[3], a.limit));
       }
     }
     __syncthreads();  // red is reused by the next group of tokens
@@ -712,9 +688,9 @@ __global__ void __launch_bounds__(kGemvThreads) moe_up_simple_kernel(const GemvA
     const T* xr = static_cast<const T*>(a.x) + static_cast<int64_t>(sl.token(a.plan, q)) * D;
     float hg = 0.0f, hu = 0.0f;
     for (int64_t k = lane; k < D; k += 32) {
-      const float xv = Num<T>::to_float(xr[k]);
-      hg = fmaf(Num<T>::to_float(wg[k]), xv, hg);
-      hu = fmaf(Num<T>::to_float(wu[k]), xv, hu);
+      const float xv = Num<T>::load(xr[k]);
+      hg = fmaf(Num<T>::load(wg[k]), xv, hg);
+      hu = fmaf(Num<T>::load(wu[k]), xv, hu);
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -722,7 +698,7 @@ __global__ void __launch_bounds__(kGemvThreads) moe_up_simple_kernel(const GemvA
       hu += __shfl_xor_sync(0xffffffffu, hu, o);
     }
     if (lane == 0) {
-      static_cast<T*>(a.act)[(sl.off + q) * I + i] = Num<T>::from_float(clamped_swiglu<T>(hg, hu, a.limit));
+      static_cast<T*>(a.act)[(sl.off + q) * I + i] = Num<T>::store(clamped_swiglu<T>(hg, hu, a.limit));
     }
   }
 }
@@ -740,7 +716,7 @@ __global__ void __launch_bounds__(kGemvThreads) moe_down_simple_kernel(const Gem
   for (int q = 0; q < sl.n; ++q) {
     const T* ar = static_cast<const T*>(a.act) + (sl.off + q) * I;
     float acc = 0.0f;
-    for (int64_t k = lane; k < I; k += 32) acc = fmaf(Num<T>::to_float(w[k]), Num<T>::to_float(ar[k]), acc);
+    for (int64_t k = lane; k < I; k += 32) acc = fmaf(Num<T>::load(w[k]), Num<T>::load(ar[k]), acc);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     if (lane == 0) a.y[(sl.off + q) * D + r] = acc;
@@ -1032,8 +1008,8 @@ __global__ void __launch_bounds__(kTinyThreads, 2) moe_up_tiny_kernel(const Tiny
         const uint32_t m = plan.mask[s];
         const int t0 = 2 * c;
         T* act = static_cast<T*>(a.act) + static_cast<int64_t>(s) * a.n_tokens * I + i;
-        if ((m >> t0) & 1u) act[t0 * I] = Num<T>::from_float(clamped_swiglu<T>(h[0], h[2], a.limit));
-        if ((m >> (t0 + 1)) & 1u) act[(t0 + 1) * I] = Num<T>::from_float(clamped_swiglu<T>(h[1], h[3], a.limit));
+        if ((m >> t0) & 1u) act[t0 * I] = Num<T>::store(clamped_swiglu<T>(h[0], h[2], a.limit));
+        if ((m >> (t0 + 1)) & 1u) act[(t0 + 1) * I] = Num<T>::store(clamped_swiglu<T>(h[1], h[3], a.limit));
       }
     }
     cur.next(per_slot);
@@ -1131,12 +1107,12 @@ __global__ void __launch_bounds__(kTinyThreads, 2) moe_down_tiny_kernel(const Ti
     T* out = static_cast<T*>(a.out) + r0 + g;
     const int t0 = 2 * c;
     if (t0 < a.n_tokens) {
-      out[t0 * D] = Num<T>::from_float(h[0]);
-      out[t0 * D + 8] = Num<T>::from_float(h[2]);
+      out[t0 * D] = Num<T>::store(h[0]);
+      out[t0 * D + 8] = Num<T>::store(h[2]);
     }
     if (t0 + 1 < a.n_tokens) {
-      out[(t0 + 1) * D] = Num<T>::from_float(h[1]);
-      out[(t0 + 1) * D + 8] = Num<T>::from_float(h[3]);
+      out[(t0 + 1) * D] = Num<T>::store(h[1]);
+      out[(t0 + 1) * D + 8] = Num<T>::store(h[3]);
     }
   }
 }
@@ -1146,7 +1122,7 @@ template <typename T>
 __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
   const T* p = reinterpret_cast<const T*>(&v);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) f[j] = Num<T>::to_float(p[j]);
+  for (int j = 0; j < 8; ++j) f[j] = Num<T>::load(p[j]);
 }
 
 // act[p, :] = clamped SwiGLU(gate[p, :], up[p, :]) for p < n_rows; 8 channels a thread (I % 8 == 0, 16-byte rows).
@@ -1166,7 +1142,7 @@ __global__ void __launch_bounds__(256) moe_act_kernel(const T* gate, const T* up
     uint4 o;
     T* op = reinterpret_cast<T*>(&o);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) op[j] = Num<T>::from_float(clamped_swiglu<T>(gf[j], uf[j], limit));
+    for (int j = 0; j < 8; ++j) op[j] = Num<T>::store(clamped_swiglu<T>(gf[j], uf[j], limit));
     *reinterpret_cast<uint4*>(act + p * inter + i) = o;
   }
 }
@@ -1229,19 +1205,19 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const Y* y
 #pragma unroll
       for (int k = 0; k < 8; ++k) acc[k] = fmaf(w, v[k], acc[k]);
     } else {
-      for (int k = 0; k < 8 && d + k < dim; ++k) acc[k] = fmaf(w, Num<Y>::to_float(row[k]), acc[k]);
+      for (int k = 0; k < 8 && d + k < dim; ++k) acc[k] = fmaf(w, Num<Y>::load(row[k]), acc[k]);
     }
   }
   if (vec) {
     uint4 o[sizeof(T) == 4 ? 2 : 1];
     T* op = reinterpret_cast<T*>(o);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) op[k] = Num<T>::from_float(acc[k]);
+    for (int k = 0; k < 8; ++k) op[k] = Num<T>::store(acc[k]);
     uint4* dst = reinterpret_cast<uint4*>(out + t * dim + d);
 #pragma unroll
     for (int k = 0; k < static_cast<int>(sizeof(o) / sizeof(uint4)); ++k) dst[k] = o[k];
   } else {
-    for (int k = 0; k < 8 && d + k < dim; ++k) out[t * dim + d + k] = Num<T>::from_float(acc[k]);
+    for (int k = 0; k < 8 && d + k < dim; ++k) out[t * dim + d + k] = Num<T>::store(acc[k]);
   }
 }
 
