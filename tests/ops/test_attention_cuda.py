@@ -226,11 +226,9 @@ def test_is_native():
     assert dsv4rt.ops.kernel_coverage()["sparse_attn"] == "native"
 
 
-@pytest.mark.xfail(strict=False, reason="on the H200 image the child died with SIGSEGV formatting an integer into the "
-                   "TORCH_CHECK message (std::ostream::_M_insert<long> in the extension); the binding now formats "
-                   "numbers with std::to_string, not yet re-run on a GPU")
 def test_rejects_bad_fp8_rows():
-    # in a child process: a failed check must raise a RuntimeError naming the op, not take the process down
+    # in a child process: a failed check must raise a RuntimeError naming the op, not take the process down (on the
+    # H200 image, streaming an integer into the check message once killed the process: see csrc/binding.h)
     code = textwrap.dedent("""
         import sys, torch
         sys.path.insert(0, "tests/ops")
