@@ -8,7 +8,7 @@
 // that plan and combine inside themselves instead. Knobs, read at each call (so at capture time for a CUDA graph):
 // DSV4RT_MOE_PDL=0 turns off the programmatic dependent launches, DSV4RT_MOE_TINY=n sends batches of at most n
 // tokens (n <= 8; 0: none) to the tiny path, DSV4RT_MOE_TINY_PREFETCH=0 turns off its L2 prefetch of the down
-// projection's first expert.
+// projection's first expert, DSV4RT_MOE_EARLY=0 ignores x_ready (the shared expert then waits for the routing too).
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -156,7 +156,7 @@ void check_shared(const at::Tensor& t, const char* name, int64_t rows, int64_t c
 at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                             const at::Tensor& weights, const at::Tensor& ids, double limit,
                             const std::optional<at::Tensor>& shared_gate, const std::optional<at::Tensor>& shared_up,
-                            const std::optional<at::Tensor>& shared_down) {
+                            const std::optional<at::Tensor>& shared_down, bool x_ready) {
   const at::Device dev = x.device();
   TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3,
               "moe_experts: x must be [T, D], w13 [E, 2I, D], w2 [E, D, I]");
@@ -216,6 +216,7 @@ at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& w13, const at
   a.dtype = dtype;
   a.pdl = use_pdl();
   a.tiny_prefetch = env_int("DSV4RT_MOE_TINY_PREFETCH", 1) != 0;
+  a.x_ready = x_ready && a.pdl && env_int("DSV4RT_MOE_EARLY", 1) != 0;
 
   const bool tensor_cores = dtype != dsv4rt::kMoeF32 && dim % 32 == 0 && inter % 32 == 0 && aligned16(x) &&
                             aligned16(w13) && aligned16(w2) &&

@@ -2,7 +2,9 @@
 //
 // Routers: one warp per token, one launch. Scores s = sqrt(softplus(z)) in fp32 (torch's formula: z > 20 ? z :
 // log1p(exp(z))); top-k over s + bias by k rounds of a warp arg-max (ties: the lower expert id); weights
-// s / sum(s) * scale in the order chosen.
+// s / sum(s) * scale in the order chosen. A router lets its successor start before it waits for the logits: the
+// successor may then run ahead only on data complete before the router's predecessor started (moe_experts with
+// x_ready: x, written before moe_gate, which waits for it before it lets the router start).
 //
 // Experts. A plan kernel (one CTA) turns ids [T, k] into the per-expert pair lists on the device: counts, offsets,
 // the distinct chosen experts ("slots", ascending) and the pairs (token, choice) grouped by expert. Ids outside
@@ -16,6 +18,10 @@
 //     A slot's weights are read once for every 8 * NG of its tokens; a CTA whose slot is unused exits at once.
 //   * down: the same over w2 (16 output rows a CTA, I split over the warps), writing y [P, D] fp32;
 //   * combine: out[t] = sum_j weights[t, j] * y[pos(t, j)] in fp32, j in order: deterministic.
+// x_ready (the caller's promise that x was complete before the kernel preceding this call's first one started): the
+// plan kernel lets the up kernel start at once, and the up kernel's shared-expert CTAs (x and the shared weights, no
+// plan) do their work before they wait; on the tiny path the shared slot's items run before the wait. The shared
+// expert then overlaps the router and the plan.
 // Large batches run the two projections as grouped GEMMs (the binding) around the plan, activation and combine.
 // With programmatic dependent launches each kernel's CTAs get resident while its predecessor drains; every CTA
 // waits (griddepcontrol.wait) before it reads what its predecessor wrote and before it exits, so each kernel
@@ -257,8 +263,8 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const float
                                                                      int64_t n_tokens, int n_experts, int topk,
                                                                      float scale, float* __restrict__ weights,
                                                                      int32_t* __restrict__ ids) {
+  pdl_trigger();  // see "Routers" above: the successor may start while this waits for the logits
   pdl_wait();
-  pdl_trigger();
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouteWarps + (threadIdx.x >> 5);
   if (t >= n_tokens) return;
@@ -320,8 +326,8 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_hash_route_kernel(
     const float* __restrict__ logits, const void* __restrict__ tid2eid, bool tid2eid_i64,
     const void* __restrict__ token_ids, bool token_ids_i64, int64_t vocab, int64_t n_tokens, int n_experts, int topk,
     float scale, float* __restrict__ weights, int32_t* __restrict__ ids) {
-  pdl_wait();
   pdl_trigger();
+  pdl_wait();
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouteWarps + (threadIdx.x >> 5);
   if (t >= n_tokens) return;
@@ -346,13 +352,15 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_hash_route_kernel(
 
 // ------------------------------------------------------------------------------------------ plan
 __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const int32_t* __restrict__ ids, int n_pairs,
-                                                                int topk, int n_experts, int n_slots, MoePlan plan) {
+                                                                int topk, int n_experts, int n_slots, MoePlan plan,
+                                                                bool early) {
   extern __shared__ int plan_smem[];
   int* count = plan_smem;               // [E]
   int* cursor = plan_smem + n_experts;  // [E]
   __shared__ int warp_pairs[32], warp_active[32], totals[2];
+  if (early) pdl_trigger();  // x_ready: the up kernel's shared-expert CTAs start at once (they read x, no plan)
   pdl_wait();
-  pdl_trigger();
+  if (!early) pdl_trigger();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (int e = tid; e < n_experts; e += kPlanThreads) count[e] = 0;
   __syncthreads();
@@ -450,6 +458,7 @@ struct GemvArgs {
   int n_tokens, n_pairs;
   int n_slots;      // routed slots; slot n_slots (when sg is set) is the shared expert: every token, rows P + t
   float limit;
+  bool x_ready;     // MoeExpertsArgs::x_ready: the shared slot's up CTAs run before the wait for the plan
 };
 
 // Slots in reverse: the shared expert (the last slot, with every token: the longest CTAs) and the highest chosen
@@ -501,9 +510,13 @@ __device__ __forceinline__ void slot_pairs(const GemvArgs& a, int s, Slot<T>& sl
 template <typename T, int NG, int U>
 __global__ void __launch_bounds__(kGemvThreads, 4) moe_up_mma_kernel(const GemvArgs a) {
   __shared__ float4 red[kGemvWarps][NG][32];
-  pdl_wait();
-  pdl_trigger();
   const int s = slot_of_block();
+  // The shared slot needs x only (complete when x_ready), not the plan: it waits after its work.
+  const bool early = a.x_ready && s == a.n_slots && a.sg != nullptr;
+  if (!early) {
+    pdl_wait();
+    pdl_trigger();
+  }
   Slot<T> sl;
   if (!slot_rows<T>(a, s, s < a.n_slots ? a.plan.slot_expert[s] : 0, sl)) return;
   slot_pairs<T>(a, s, sl);
@@ -576,6 +589,10 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_up_mma_kernel(const GemvA
       }
     }
     __syncthreads();  // red is reused by the next group of tokens
+  }
+  if (early) {  // before the dependents may start: the down kernel reads the plan before its own wait
+    pdl_wait();
+    pdl_trigger();
   }
 }
 
@@ -757,6 +774,7 @@ struct TinyArgs {
   int n_tokens, topk, n_experts;
   float limit;
   bool prefetch_down;  // the up kernel's CTAs prefetch the down kernel's first slot into L2 as they finish
+  bool x_ready;        // MoeExpertsArgs::x_ready: the up kernel computes most of the shared slot before its wait
 };
 
 struct TinyPlan {
@@ -936,19 +954,39 @@ __global__ void __launch_bounds__(kTinyThreads, 2) moe_up_tiny_kernel(const Tiny
   const T* xg = has_tok ? static_cast<const T*>(a.x) + static_cast<int64_t>(g) * D + c * 8 : nullptr;
   const T* ra = nullptr;
   const T* rb = nullptr;
-  int rows_slot = -1, issued = 0;
+  int rows_slot = -1, issued = 0;  // issued: items copied (or being copied) so far
   TinyCursor iss;  // the next item to copy
+  // x_ready: x is complete already, so slot 0 (the shared expert) takes its operands with its rows and its items run
+  // before the wait for the routing, as long as the item kTinyStages - 1 ahead is still in slot 0.
+  const bool early = a.x_ready && a.sg != nullptr;
   if (a.sg != nullptr) {  // slot 0 needs no plan: its first rows stream in while the previous kernel drains
     tiny_up_rows<T>(a, -1, i, c, ra, rb);
     rows_slot = 0;
     for (; issued < kTinyStages - 1 && iss.s == 0; ++issued, iss.next(per_slot)) {
       tiny_issue_rows<T>(ring, iss, warp, nk, ra, rb, policy);
+      if (early) tiny_issue_operand<T>(ring, iss, warp, nk, xg);
       cp_async_commit();
+    }
+  }
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  TinyCursor cur;
+  int it0 = 0;  // items consumed before the wait
+  if (early) {
+    // kTinyStages - 1 items of slot 0 in flight (one group each); consume one, copy the next while it is in slot 0
+    for (; iss.s == 0; ++it0, ++issued, iss.next(per_slot), cur.next(per_slot)) {
+      cp_async_wait<kTinyStages - 2>();
+      uint4 wa[kTinyU], wb[kTinyU], bv[kTinyU];
+      tiny_read(ring, cur, warp, nk, has_tok, wa, wb, bv);
+      tiny_issue_rows<T>(ring, iss, warp, nk, ra, rb, policy);
+      tiny_issue_operand<T>(ring, iss, warp, nk, xg);
+      cp_async_commit();
+#pragma unroll
+      for (int u = 0; u < kTinyU; ++u) mma_chunk<T>(acc, wa[u], wb[u], bv[u]);
     }
   }
   pdl_wait();
   pdl_trigger();
-  {  // x is the predecessor's output: the operands of the items already copied go now
+  if (!early) {  // x is the predecessor's output: the operands of the items already copied go now
     TinyCursor q;
     for (int p = 0; p < issued; ++p, q.next(per_slot)) tiny_issue_operand<T>(ring, q, warp, nk, xg);
     cp_async_commit();
@@ -968,10 +1006,8 @@ __global__ void __launch_bounds__(kTinyThreads, 2) moe_up_tiny_kernel(const Tiny
     cp_async_commit();  // an empty group past the end keeps the wait count uniform
     iss.next(per_slot);
   };
-  for (; issued < kTinyStages - 1; ++issued) issue();
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  TinyCursor cur;
-  for (int it = 0; it < n_items; ++it) {
+  for (; issued - it0 < kTinyStages - 1; ++issued) issue();
+  for (int it = it0; it < n_items; ++it) {
     const int s = cur.s;
     if (a.prefetch_down && cur.r == 0 && s == n_slots - 1 && threadIdx.x < 16) {
       // the down kernel's first slot, its rows of the tiles b = blockIdx.x (mod gridDim.x), into L2
@@ -980,8 +1016,8 @@ __global__ void __launch_bounds__(kTinyThreads, 2) moe_up_tiny_kernel(const Tiny
         prefetch_l2(base + (b * 16 + threadIdx.x) * I, static_cast<uint32_t>(I * sizeof(T)));
       }
     }
-    if (it == 0) {
-      cp_async_wait<0>();
+    if (it == 0 && !early) {
+      cp_async_wait<0>();  // the operand group of the items copied before the wait came last
     } else {
       cp_async_wait<kTinyStages - 2>();  // this thread's copies of item it have landed
     }
@@ -1254,6 +1290,7 @@ GemvArgs gemv_args(const MoeExpertsArgs& a, void* act, float* y) {
   g.n_pairs = static_cast<int>(a.n_tokens * a.topk);
   g.n_slots = static_cast<int>(n_slots(a));
   g.limit = a.limit;
+  g.x_ready = a.x_ready;
   return g;
 }
 
@@ -1323,7 +1360,7 @@ cudaError_t moe_hash_route_launch(const float* logits, const void* tid2eid, bool
 cudaError_t moe_plan_launch(const MoeExpertsArgs& a, cudaStream_t stream) {
   const int n_pairs = static_cast<int>(a.n_tokens * a.topk);
   return launch(moe_plan_kernel, dim3(1), dim3(kPlanThreads), 2 * a.n_experts * sizeof(int), stream, a.pdl, a.ids,
-                n_pairs, a.topk, a.n_experts, static_cast<int>(n_slots(a)), a.plan);
+                n_pairs, a.topk, a.n_experts, static_cast<int>(n_slots(a)), a.plan, a.x_ready);
 }
 
 cudaError_t moe_act_launch(const MoeExpertsArgs& a, const void* gate, const void* up, int64_t h_stride, void* act,
@@ -1379,6 +1416,7 @@ cudaError_t moe_experts_tiny_launch(const MoeExpertsArgs& a, void* act, cudaStre
   t.n_experts = a.n_experts;
   t.limit = a.limit;
   t.prefetch_down = a.tiny_prefetch;
+  t.x_ready = a.x_ready;
   if (a.n_tokens > moe_tiny_max_tokens || a.n_tokens * a.topk > moe_tiny_max_pairs) return cudaErrorInvalidValue;
   return with_dtype(a.dtype, [&](auto tag) -> cudaError_t {
     using T = decltype(tag);

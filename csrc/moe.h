@@ -70,6 +70,10 @@ struct MoeExpertsArgs {
   int dtype;  // MoeDType
   bool pdl;   // programmatic dependent launches (overlap each kernel's start with its predecessor's tail)
   bool tiny_prefetch;  // tiny path: the gate/up kernel prefetches the down kernel's first expert into L2
+  // x was complete before the kernel that precedes this call's first launch started (the model's order: x, then the
+  // router kernels, then this call). The plan kernel then lets its successor start at once, and the shared expert's
+  // gate/up work (which needs x but no routing) runs before the wait for the routing.
+  bool x_ready;
 };
 
 // Tiny batches (T <= moe_tiny_max_tokens, T * k <= moe_tiny_max_pairs, bf16/fp16, D and I multiples of 32; the

@@ -192,8 +192,9 @@ class MoE(nn.Module):
         else:
             weights, ids = moe.moe_route(logits, self.gate.e_score_correction_bias, cfg.n_active, cfg.routed_scale)
         se = self.shared_experts  # read in place by the same op: no concatenated copy of its weights
+        # x_ready: x was written before the router kernels above, so the shared expert may start while they finish
         return moe.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, cfg.swiglu_limit,
-                               se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight)
+                               se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight, x_ready=True)
 
 
 class HyperConnection(nn.Module):

@@ -19,7 +19,7 @@ torch.library.define(
 torch.library.define(
     "dsv4rt::moe_experts",
     "(Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor ids, float limit, Tensor? shared_gate=None, "
-    "Tensor? shared_up=None, Tensor? shared_down=None) -> Tensor",
+    "Tensor? shared_up=None, Tensor? shared_down=None, bool x_ready=False) -> Tensor",
 )
 
 
@@ -45,7 +45,8 @@ def _moe_hash_route_fake(logits, tid2eid, token_ids, scale):
 
 
 @torch.library.register_fake("dsv4rt::moe_experts")
-def _moe_experts_fake(x, w13, w2, weights, ids, limit, shared_gate=None, shared_up=None, shared_down=None):
+def _moe_experts_fake(x, w13, w2, weights, ids, limit, shared_gate=None, shared_up=None, shared_down=None,
+                      x_ready=False):
     torch._check(x.dim() == 2 and w13.dim() == 3 and w2.dim() == 3)
     torch._check(w13.shape[2] == x.shape[1] and w2.shape[1] == x.shape[1] and w13.shape[1] == 2 * w2.shape[2])
     torch._check(weights.shape == ids.shape and ids.shape[0] == x.shape[0])
@@ -93,9 +94,10 @@ EXPERT_GROUP = 16  # experts per batched matmul in the reference: bounds its tem
 
 def moe_experts_ref(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor, limit: float,
                     shared_gate: Tensor | None = None, shared_up: Tensor | None = None,
-                    shared_down: Tensor | None = None) -> Tensor:
+                    shared_down: Tensor | None = None, x_ready: bool = False) -> Tensor:
     """Every routed expert on every token, weighted by its routing weight (0 where not chosen), fp32 accumulation,
-    rounded to x's dtype; then the shared expert added in x's dtype (three F.linear, as the model computed it)."""
+    rounded to x's dtype; then the shared expert added in x's dtype (three F.linear, as the model computed it).
+    x_ready is a scheduling promise for the CUDA kernels (see moe_experts); it does not change the result."""
     n_exp, two_i, _ = w13.shape
     inter = two_i // 2
     expert = torch.arange(n_exp, device=x.device)
@@ -137,10 +139,17 @@ def moe_hash_route(logits: Tensor, tid2eid: Tensor, token_ids: Tensor, scale: fl
 
 def moe_experts(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor, limit: float,
                 shared_gate: Tensor | None = None, shared_up: Tensor | None = None,
-                shared_down: Tensor | None = None) -> Tensor:
+                shared_down: Tensor | None = None, x_ready: bool = False) -> Tensor:
     """Routed experts, plus the shared expert (weight 1, every token) when its projections are given.
 
     Shapes: x [T, D]; w13 [E, 2I, D] (gate rows then up rows); w2 [E, D, I]; weights [T, k] fp32; ids [T, k] int32
     (ids outside [0, E) contribute nothing); shared_gate, shared_up [I, D] and shared_down [D, I] (the model's
-    separate weights, read in place: all three or none). Returns [T, D] in x's dtype. Mutates: nothing."""
-    return torch.ops.dsv4rt.moe_experts.default(x, w13, w2, weights, ids, limit, shared_gate, shared_up, shared_down)
+    separate weights, read in place: all three or none). Returns [T, D] in x's dtype. Mutates: nothing.
+
+    x_ready=True promises that x was complete before the kernel preceding this call's first kernel started, as when
+    the router ops (moe_gate, then moe_route or moe_hash_route) run between the kernel that wrote x and this call
+    (MoE.forward). With programmatic dependent launches the CUDA kernels then run the shared expert's gate/up work,
+    which needs x but no routing, while the router finishes. The result is bit-identical either way; leave it False
+    when x may come from the kernel just before this call."""
+    return torch.ops.dsv4rt.moe_experts.default(x, w13, w2, weights, ids, limit, shared_gate, shared_up, shared_down,
+                                                x_ready)

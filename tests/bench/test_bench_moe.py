@@ -4,8 +4,9 @@
 Weights as the model holds them: w13 [256, 2I, D], w2 [256, D, I], the shared expert's gate [I, D], up [I, D] and
 down [D, I] as three separate tensors, read in place by moe_experts. Variants:
   * fused: what dsv4rt/model.py MoE.forward does: moe_gate (fp32 logits) + moe_route + moe_experts with the shared
-    projections (router + experts);
-  * experts: moe_experts alone (routed + shared) on precomputed routing (the fused call minus the router);
+    projections and x_ready=True (router + experts; the shared expert starts while the router runs);
+  * experts: moe_experts alone (routed + shared, x_ready=True: x is an input of the graph) on precomputed routing
+    (the fused call minus the router);
   * router: the fused call's routing alone (moe_gate, moe_route); router_linear: the same with the former
     F.linear(x.float(), gate) logits (a cast and a cuBLAS GEMV).
 Each benchmark captures REPEATS calls in one CUDA graph, cycling through several input sets so that successive calls
@@ -16,8 +17,9 @@ Targets (issue 6), against ceilings measured in the same run:
   * a 4,096-token chunk: >= 60% of the bf16 matmul rate (8192^3 torch.mm), at 2 * T * 7 * 3 * D * I FLOPs. Such a
     chunk also reads every expert's weights (24,576 routed pairs over 256 experts): that read at the copy bandwidth
     is printed as the chunk's other floor.
-The knobs benchmark compares the expert op at small batches with its default settings, without programmatic launches,
-and on the opt-in tiny path (DSV4RT_MOE_TINY=8) with and without its L2 prefetch. The profile benchmark
+The knobs benchmark compares the expert op (and the fused call) at small batches with its default settings, with
+x_ready ignored (DSV4RT_MOE_EARLY=0), without programmatic launches, and on the other small-batch path (the tiny path,
+DSV4RT_MOE_TINY=8, or the GEMV path, DSV4RT_MOE_TINY=0) with and without x_ready and the tiny L2 prefetch. The profile benchmark
 prints the kernels of one fused call (CUDA-graph replay under torch.profiler). The crossover benchmark times both
 expert paths (GEMV kernels, grouped GEMMs) at sizes around the threshold.
 Run: python -m pytest tests/bench/test_bench_moe.py --benchmark-only -s
@@ -79,10 +81,10 @@ def _variant(name: str, wt):
     w13, w2, shared, gate, bias = wt
     if name == "fused":
         def fn(x, routing):
-            return moe_experts(x, w13, w2, *_route(x, gate, bias), LIMIT, *shared)
+            return moe_experts(x, w13, w2, *_route(x, gate, bias), LIMIT, *shared, x_ready=True)
     elif name == "experts":
         def fn(x, routing):
-            return moe_experts(x, w13, w2, *routing, LIMIT, *shared)
+            return moe_experts(x, w13, w2, *routing, LIMIT, *shared, x_ready=True)
     elif name == "router":
         def fn(x, routing):
             return _route(x, gate, bias)
@@ -151,30 +153,35 @@ def test_bench_moe(benchmark, moe_weights, copy_bandwidth, matmul_rate, tokens, 
 
 KNOBS = {  # name -> environment of csrc/moe.cpp at capture time
     "default": {},
+    "no_early": {"DSV4RT_MOE_EARLY": "0"},
     "no_pdl": {"DSV4RT_MOE_PDL": "0"},
+    "gemv": {"DSV4RT_MOE_TINY": "0"},
+    "gemv_no_early": {"DSV4RT_MOE_TINY": "0", "DSV4RT_MOE_EARLY": "0"},
     "tiny": {"DSV4RT_MOE_TINY": "8"},
+    "tiny_no_early": {"DSV4RT_MOE_TINY": "8", "DSV4RT_MOE_EARLY": "0"},
     "tiny_no_prefetch": {"DSV4RT_MOE_TINY": "8", "DSV4RT_MOE_TINY_PREFETCH": "0"},
 }
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("knob", list(KNOBS))
-@pytest.mark.parametrize("tokens", [1, 2, 4, 8, 64])
-def test_bench_moe_knobs(benchmark, moe_weights, copy_bandwidth, tokens, knob, monkeypatch):
-    """The expert op with its default settings, without programmatic launches, and on the (opt-in) tiny path with
-    and without its L2 prefetch (the knobs are read when the graph is captured)."""
+@pytest.mark.parametrize("variant", ["experts", "fused"])
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_bench_moe_knobs(benchmark, moe_weights, copy_bandwidth, tokens, variant, knob, monkeypatch):
+    """The expert op (or the fused call) with its default settings, with x_ready ignored, without programmatic
+    launches, and forced onto either small-batch path (the knobs are read when the graph is captured)."""
     if tokens > 8 and knob.startswith("tiny"):
         pytest.skip("the tiny path serves at most 8 tokens")
     for k, v in KNOBS[knob].items():
         monkeypatch.setenv(k, v)
     sets, distinct = _inputs(tokens, moe_weights)
-    graph, per_call = _time_call(_variant("experts", moe_weights), sets, REPEATS[tokens])
+    graph, per_call = _time_call(_variant(variant, moe_weights), sets, REPEATS[tokens])
     floor = distinct * EXPERT_BYTES / copy_bandwidth
-    line = (f"T={tokens:5d} experts  {knob:16s} {per_call * 1e6:9.1f} us/call  {per_call / floor:.2f}x the "
+    line = (f"T={tokens:5d} {variant:8s} {knob:16s} {per_call * 1e6:9.1f} us/call  {per_call / floor:.2f}x the "
             f"{distinct:.1f}-expert read floor {floor * 1e6:.1f} us")
     RESULTS.append(line)
     print("\n" + line)
-    benchmark.extra_info.update(device=torch.cuda.get_device_name(), tokens=tokens, knob=knob,
+    benchmark.extra_info.update(device=torch.cuda.get_device_name(), tokens=tokens, variant=variant, knob=knob,
                                 us_per_call=per_call * 1e6, ratio=per_call / floor)
     benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=5, warmup_rounds=1)
 

@@ -34,6 +34,8 @@ OPS = {  # case -> (op name, factory, reference, wrapper)
     "moe_experts": ("moe_experts", moe_experts_inputs, moe_experts_ref, moe_experts),
     "moe_experts_shared": ("moe_experts", functools.partial(moe_experts_inputs, shared=True), moe_experts_ref,
                            moe_experts),
+    "moe_experts_x_ready": ("moe_experts", lambda device: (*moe_experts_inputs(device, shared=True), True),
+                            moe_experts_ref, moe_experts),
 }
 
 

@@ -396,6 +396,24 @@ def test_experts_deterministic_and_knob_independent(n_tokens, monkeypatch, small
     assert torch.equal(first, run_kernel(args))
 
 
+@pytest.mark.parametrize("n_tokens", [1, 8, 64])
+def test_experts_x_ready_bit_identical(flash_weights, n_tokens, monkeypatch, small_path):
+    """x_ready (the shared expert's gate/up work before the wait for the routing) changes no bit, with and without
+    programmatic launches and with the promise ignored (DSV4RT_MOE_EARLY=0)."""
+    skip_if_same(small_path, n_tokens)
+    w13, w2, shared = flash_weights
+    x, w, ids = flash_case(n_tokens, "every_token", seed=11)
+    args = (x, w13, w2, w, ids, LIMIT, *shared)
+    first = run_kernel(args)
+    assert torch.equal(first, run_kernel((*args, True)))
+    monkeypatch.setenv("DSV4RT_MOE_EARLY", "0")
+    assert torch.equal(first, run_kernel((*args, True)))
+    monkeypatch.setenv("DSV4RT_MOE_EARLY", "1")
+    monkeypatch.setenv("DSV4RT_MOE_PDL", "0")
+    assert torch.equal(first, run_kernel((*args, True)))
+    assert_experts_close(first, moe_experts_ref(*args))
+
+
 def test_experts_empty_batch():
     x, w13, w2, w, ids, limit, *sh = moe_experts_inputs("cuda", torch.bfloat16, 1, shared=True)
     for extra in ((), tuple(sh)):
@@ -422,6 +440,47 @@ def test_experts_rejects_bad_layouts():
 
 
 # ------------------------------------------------------------------------------------------ capture
+@pytest.mark.parametrize("n_tokens", [1, 8, 64])
+def test_model_chain_replay(flash_weights, n_tokens, small_path):
+    """MoE.forward's chain at Flash dims in one CUDA graph, replayed many times back to back on inputs rewritten in
+    place: a kernel writes x, then moe_gate, moe_route and moe_experts with x_ready=True (the shared expert starts
+    while the router runs). Every replay equals the eager chain without x_ready, bit for bit."""
+    skip_if_same(small_path, n_tokens)
+    w13, w2, shared = flash_weights
+    g = torch.Generator(device="cuda").manual_seed(21)
+    gate = torch.randn(FLASH_E, FLASH_D, generator=g, device="cuda") * FLASH_D**-0.5
+    bias = torch.randn(FLASH_E, generator=g, device="cuda") * 0.1
+
+    def chain(src, x_ready):
+        x = (src * 2.0).to(torch.bfloat16)  # x written by the kernel right before the router
+        weights, ids = moe_route(moe_gate(x, gate), bias, TOPK, SCALE)
+        return moe_experts(x, w13, w2, weights, ids, LIMIT, *shared, x_ready=x_ready)
+
+    static_src = torch.randn(n_tokens, FLASH_D, device="cuda")
+    reps = 8
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(static_src, True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        outs = [chain(static_src, True) for _ in range(reps)]
+    for seed in (22, 23, 24):
+        new_src = torch.randn(n_tokens, FLASH_D, generator=torch.Generator(device="cuda").manual_seed(seed),
+                              device="cuda")
+        static_src.copy_(new_src)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = chain(new_src, False)
+        for out in outs:
+            assert torch.equal(out, want)
+        x = (new_src * 2.0).to(torch.bfloat16)
+        weights, ids = moe_route(moe_gate(x, gate), bias, TOPK, SCALE)
+        assert_experts_close(want, moe_experts_ref(x, w13, w2, weights, ids, LIMIT, *shared))
+
+
+
 @pytest.mark.parametrize("n_tokens", [1, 8, 64, 4096])
 def test_route_and_experts_replay(n_tokens, small_path):
     """Router + experts (with the shared expert) captured in one CUDA graph, replayed on new inputs written in
