@@ -8,9 +8,11 @@ Each benchmark captures REPEATS steps in one CUDA graph; the time per step is th
     <= 10 us for the three together); decode_close: the worst case, every request closes a CSA and an HCA window;
   * swa: the sliding-ring write of the same two steps.
 Run: python -m pytest tests/bench/test_bench_cache_write.py --benchmark-only -s
+The decode modes also time the three through the general kernel (DSV4RT_COMPRESSOR_SMALL=0: no small-call kernel),
+the reference the small-call kernel is compared to, and print the per-compressor breakdown.
 With DSV4RT_BENCH_SWEEP=1, test_bench_compressor_sweep also times each compressor alone under a list of forced
-launch configurations (csrc/compressor.cu pick_config, through its DSV4RT_COMPRESSOR_* environment variables) and
-prints one table: the numbers that pick the defaults.
+launch configurations (csrc/compressor.cu pick_small and pick_config, through its DSV4RT_COMPRESSOR_* environment
+variables) at decode and prints one table: the numbers that pick the defaults.
 """
 from __future__ import annotations
 
@@ -147,8 +149,14 @@ def test_bench_compressor_update(benchmark, copy_bandwidth, mode, fmt):
         info[f"{name}_closes"] = meta["closes"]
     for name, call in zip(COMPRESSORS, calls):  # each alone, for the breakdown
         info[f"{name}_us"] = median_seconds(_capture([call], REPEATS[mode]).replay, ROUNDS) / REPEATS[mode] * 1e6
+    if mode != "prefill":  # the reference: the three through the general kernel (no small-call kernel)
+        general = _with_env({"DSV4RT_COMPRESSOR_SMALL": "0"}, lambda: _capture(calls, REPEATS[mode]))
+        info["general_kernel_us"] = median_seconds(general.replay, ROUNDS) / REPEATS[mode] * 1e6
     graph = _capture(calls, REPEATS[mode])
     _report(benchmark, graph, REPEATS[mode], nbytes, copy_bandwidth, info)
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in info.items() if k.endswith("_us"))
+    target = " (target <= 10 us)" if mode == "decode" else ""
+    print(f"{benchmark.name}: {benchmark.extra_info['us_per_step']:.2f} us for the three{target}; {parts}")
 
 
 @pytest.mark.cuda
@@ -161,17 +169,16 @@ def test_bench_swa_cache_write(benchmark, copy_bandwidth, mode, fmt):
     _report(benchmark, graph, REPEATS[mode], meta["bytes"], copy_bandwidth, {"mode": mode, "kv_dtype": fmt})
 
 
-# (mode, compressor) -> forced configurations "K,G,chunk,pipe" (empty: the launcher's default)
+# (mode, compressor) -> forced configurations "K,G,chunk,pipe,small" (empty: the launcher's default; small=0: the
+# general kernel). Large calls (prefill) are timed by test_bench_compressor_update alone.
 SWEEP = {
-    ("prefill", "csa_main"): [",,,", ",2,8,", ",2,16,", ",2,32,", ",2,16,0", ",4,16,"],
-    ("prefill", "csa_indexer"): [",,,", ",2,4,", ",2,8,", ",4,4,", ",1,4,"],
-    ("prefill", "hca"): [",,,", "8,8,128,", "8,16,64,", "8,4,64,", "4,8,64,", "8,32,256,"],
-    ("decode", "csa_main"): [",,,", ",2,1,"],
-    ("decode", "csa_indexer"): [",,,", ",2,1,"],
-    ("decode", "hca"): [",,,", "8,32,8,", "8,32,2,", "8,16,1,", "8,8,1,"],
-    ("decode_close", "hca"): [",,,", "8,32,8,", "8,16,1,", "8,32,1,"],
+    ("decode", "csa_main"): [",,,,", ",,,,0", ",2,1,,0", ",,2,,", ",2,1,,", "2,,1,,", "4,,1,,"],
+    ("decode", "csa_indexer"): [",,,,", ",,,,0", ",2,1,,0", ",,2,,", ",2,1,,"],
+    ("decode", "hca"): [",,,,", ",,,,0", "8,16,1,,", "8,16,2,,", "8,16,8,,", "8,8,4,,", "4,8,4,,", "4,8,1,,"],
+    ("decode_close", "csa_main"): [",,,,", ",,,,0"],
+    ("decode_close", "hca"): [",,,,", ",,,,0", "8,16,1,,", "8,16,2,,", "8,8,1,,", "4,8,1,,"],
 }
-_KNOBS = ("CLUSTER", "GROUPS", "CHUNK", "PIPE")
+_KNOBS = ("CLUSTER", "GROUPS", "CHUNK", "PIPE", "SMALL")
 
 
 def _with_env(env: dict, fn):
@@ -195,7 +202,7 @@ def _with_env(env: dict, fn):
 @pytest.mark.skipif(not os.environ.get("DSV4RT_BENCH_SWEEP"), reason="set DSV4RT_BENCH_SWEEP=1")
 def test_bench_compressor_sweep(benchmark, copy_bandwidth):
     rows = []
-    for mode in ("prefill", "decode", "decode_close"):
+    for mode in ("decode", "decode_close"):
         g = torch.Generator().manual_seed(0)
         step = _step_meta(mode, g)
         for name in COMPRESSORS:
@@ -205,7 +212,8 @@ def test_bench_compressor_sweep(benchmark, copy_bandwidth):
                 graph = _with_env(env, lambda: _capture([(compressor_update, args)], REPEATS[mode]))
                 us = median_seconds(graph.replay, ROUNDS) / REPEATS[mode] * 1e6
                 bw = meta["bytes"] / (us * 1e-6)
-                label = " ".join(f"{k}={v or '-'}" for k, v in zip(("K", "G", "chunk", "pipe"), cfg.split(",")))
+                label = " ".join(f"{k}={v or '-'}" for k, v in zip(("K", "G", "chunk", "pipe", "small"),
+                                                                     cfg.split(",")))
                 rows.append((mode, name, label, us, bw))
         # the three together, with and without programmatic dependent launch
         calls = []
@@ -217,9 +225,11 @@ def test_bench_compressor_sweep(benchmark, copy_bandwidth):
             calls.append((compressor_update, args))
             nbytes += meta["bytes"]
         for pdl in ("1", "0"):
-            graph = _with_env({"DSV4RT_COMPRESSOR_PDL": pdl}, lambda: _capture(calls, REPEATS[mode]))
-            us = median_seconds(graph.replay, ROUNDS) / REPEATS[mode] * 1e6
-            rows.append((mode, "all three", f"pdl={pdl}", us, nbytes / (us * 1e-6)))
+            for small in ("", "0"):
+                env = {"DSV4RT_COMPRESSOR_PDL": pdl, "DSV4RT_COMPRESSOR_SMALL": small}
+                graph = _with_env(env, lambda: _capture(calls, REPEATS[mode]))
+                us = median_seconds(graph.replay, ROUNDS) / REPEATS[mode] * 1e6
+                rows.append((mode, "all three", f"pdl={pdl} small={small or '-'}", us, nbytes / (us * 1e-6)))
     print(f"\ncompressor sweep on {torch.cuda.get_device_name()}, kv_dtype fp8, copy {copy_bandwidth / 1e9:.0f} GB/s")
     print(f"{'mode':<13} {'compressor':<12} {'config':<30} {'us':>8} {'GB/s':>7} {'of copy':>7}")
     for mode, name, cfg, us, bw in rows:
