@@ -38,7 +38,6 @@
 #include <cstdlib>
 
 #include "compressor.h"
-#include "compressor_stream.cuh"
 #include "async_copy.cuh"
 #include "kv_quant.cuh"
 #include "launch.cuh"
@@ -1364,8 +1363,6 @@ cudaError_t launch_quant(const CompressorArgs& a, cudaStream_t stream) {
 
 cudaError_t compressor_update_launch(const CompressorArgs& a, cudaStream_t stream) {
   if (a.n_tokens == 0) return cudaSuccess;
-  cudaError_t err = cudaSuccess;
-  if (stream::compressor_stream_launch(a, stream, &err)) return err;  // large calls: csrc/compressor_stream.cuh
   switch (static_cast<DType>(a.dtype)) {
     case DType::kFloat32: return launch_quant<float>(a, stream);
     case DType::kBFloat16: return launch_quant<__nv_bfloat16>(a, stream);

@@ -295,7 +295,6 @@ FORCED_CONFIGS = {
 @pytest.mark.parametrize("dtype,fmt", [(torch.float32, "auto"), (torch.bfloat16, "fp8")])
 @pytest.mark.parametrize("comp", list(COMPRESSORS))
 def test_compressor_update_cuda_forced_config(comp, dtype, fmt, scenario, config, monkeypatch):
-    monkeypatch.setenv("DSV4RT_COMPRESSOR_STREAM", "0")  # these kernels, not the streaming path of large calls
     for key, value in FORCED_CONFIGS[config].items():
         monkeypatch.setenv(f"DSV4RT_COMPRESSOR_{key}", value)
     case = compressor_inputs("cuda", comp, scenario, fmt, dtype, seed=1)
