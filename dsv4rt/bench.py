@@ -66,9 +66,9 @@ def _distinct_experts(rt: Runtime, bucket: int) -> list[int]:
     real = moe.moe_experts
     n_live = int((rt.inputs.req_slot[:bucket] >= 0).sum())
 
-    def spy(x, w13, w2, weights, ids, limit, *shared):
+    def spy(x, w13, w2, weights, ids, limit, *shared, **options):
         seen.append(int(ids[:n_live].unique().numel()))
-        return real(x, w13, w2, weights, ids, limit, *shared)
+        return real(x, w13, w2, weights, ids, limit, *shared, **options)
 
     moe.moe_experts = spy
     try:

@@ -1,0 +1,21 @@
+"""Host-side helpers of `python -m dsv4rt bench` that run on any device (the timed parts need CUDA)."""
+from __future__ import annotations
+
+import torch
+
+import dsv4rt
+from dsv4rt import bench
+from dsv4rt.config import ModelConfig
+
+
+def test_distinct_experts_counts_each_moe_layer():
+    cfg = ModelConfig.tiny()
+    model = dsv4rt.Model.random(cfg, seed=0, dtype=torch.float32)
+    rt = dsv4rt.Runtime(model, max_requests=2, max_context=128)
+    handles = [rt.admit_synthetic(64, seed=i) for i in range(2)]
+    segs = rt._validate({h: [1] for h in handles})
+    rt._allocate(segs)
+    rt._launch(segs, all_logits=False)  # fills the step inputs as the timed loop does
+    seen = bench._distinct_experts(rt, 2)
+    assert len(seen) == cfg.num_layers  # one moe_experts call a layer, whatever keyword options it passes
+    assert all(1 <= n <= min(cfg.n_experts, 2 * cfg.n_active) for n in seen)
