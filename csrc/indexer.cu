@@ -10,7 +10,8 @@
 //          token's q as N = 64 heads (B in shared memory); relu, weight and the sum over heads on the fp32
 //          accumulators (see "tensor-core scoring");
 //        * general (any dtype, fp32 arithmetic): CUDA cores, for the other shapes and dtypes.
-//   3. select: every CTA finds from the histogram the bin b1 holding the k-th largest key; CTAs split each token's
+//   3. select (programmatic dependent launch after the scoring grid, DSV4RT_INDEXER_PDL=0 turns it off): every CTA
+//      finds from the histogram the bin b1 holding the k-th largest key; CTAs split each token's
 //      entries again; keys above bin b1 are emitted at once (they are in the top k), keys in bin b1 go to a
 //      candidate list (bounded; past it the full scratch is rescanned) and a histogram of their next 12 bits.
 //      The last CTA of the token (atomic ticket) resolves the remaining digits (score bits, then the index,
@@ -72,6 +73,21 @@ __device__ __forceinline__ Tok token_info(const IndexerArgs& a, int64_t t, int64
 __device__ __forceinline__ int64_t block_of(const IndexerArgs& a, int64_t slot, int64_t col) {
   const int64_t b = __ldg(a.block_table + slot * a.bt_stride + col);
   return b < 0 ? 0 : (b >= a.n_blocks ? a.n_blocks - 1 : b);  // keep reads in the pool whatever the table holds
+}
+
+// Programmatic dependent launch: the select grid is launched with programmatic stream serialization, so it may be
+// scheduled once every scoring CTA has passed pdl_launch_dependents(); it calls pdl_wait() (the scoring grid has
+// completed and its writes are visible) before it touches global memory.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 // Larger score -> larger key; -0 counts as +0.
@@ -511,6 +527,7 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
   w.retire();
   if (n > 0) wg_epilogue(d, wv, keys, tok, (tb + n - 1) * kWgTile, hist);
   cp_async_wait<0>();
+  pdl_launch_dependents();  // the select grid may be scheduled (it waits for this grid's completion)
   flush_hist<128>(ws, tl, hist);
 #endif
 }
@@ -598,6 +615,7 @@ __global__ void __launch_bounds__(kSimtThreads) score_simt_kernel(const IndexerA
       atomicAdd(hist + (key >> 20), 1u);
     }
   }
+  pdl_launch_dependents();
   flush_hist<kSimtThreads>(ws, tl, hist);
 }
 
@@ -651,6 +669,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const IndexerArg
   const int tid = threadIdx.x, nt = kSelectThreads;
   const int64_t tl = blockIdx.x / ctas, t = t0 + tl;
   const int c = static_cast<int>(blockIdx.x % ctas);
+  pdl_wait();  // before any global access: the scoring grid (or whatever ran before) has completed
   const Tok tok = token_info(a, t, ws.n_cap);
   const uint32_t topk = static_cast<uint32_t>(a.topk);
   int32_t* out_row = a.out + t * a.topk;
@@ -712,9 +731,14 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const IndexerArg
   __threadfence();
 
   // the last CTA of the token: the remaining digits among the keys of bin b1, read from a shared copy of the
-  // candidate list, the list in global memory, or (when it overflowed) the token's keys
+  // candidate list, the list in global memory, or (when it overflowed) the token's keys. When topk <= threads,
+  // thread i holds output i for the sort: the keys above bin b1 (out_row[0, above1), written by every CTA) are
+  // loaded now, the rest go to shared memory (the first histogram's words, once it has been read)
+  const bool small = p2 <= kSelectThreads;
+  const int x_first = small && tid < static_cast<int>(above1) ? __ldcg(out_row + tid) : INT_MAX;
   const uint32_t n_cand = __ldcg(ctr + kCand);
   const int src = n_cand <= kSmemCand ? 0 : (n_cand <= kCandCap ? 1 : 2);
+  if (tid == 0) scratch[41] = above1;
   stage_hist<kBins, kSelectThreads>(g2, hist);
   if (src == 0) {
     constexpr int kPer = kSmemCand / kSelectThreads;
@@ -774,7 +798,11 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const IndexerArg
         if (digit_of(l, key, j) != v[l]) return;
       const uint32_t d = digit_of(level, key, j);
       if (d > v[level] || (d == v[level] && all)) {
-        out_row[atomicAdd(ctr + kEmit, 1u)] = static_cast<int32_t>(j);
+        if (small) {
+          hist[atomicAdd(scratch + 41, 1u)] = j;
+        } else {
+          out_row[atomicAdd(ctr + kEmit, 1u)] = static_cast<int32_t>(j);
+        }
       } else if (d == v[level]) {
         atomicAdd(dh + digit_of(level + 1, key, j), 1u);
       }
@@ -790,8 +818,8 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const IndexerArg
   // ascending index order: the output does not depend on which CTA emitted what
   __syncthreads();
   int* arr = reinterpret_cast<int*>(hist);
-  if (p2 <= kSelectThreads) {  // one element a thread: exchanges within a warp by shuffles
-    int x = tid < a.topk ? __ldcg(out_row + tid) : INT_MAX;
+  if (small) {  // one element a thread: exchanges within a warp by shuffles
+    int x = tid < static_cast<int>(above1) ? x_first : (tid < a.topk ? static_cast<int>(hist[tid]) : INT_MAX);
     for (int k = 2; k <= p2; k <<= 1) {
       for (int s = k >> 1; s > 0; s >>= 1) {
         int y;
@@ -863,6 +891,12 @@ bool env_flag(const char* name) {
   return v != nullptr && v[0] != '\0' && v[0] != '0';
 }
 
+// DSV4RT_INDEXER_PDL=0: plain stream order between the scoring and select grids (comparisons).
+bool pdl_enabled() {
+  const char* v = std::getenv("DSV4RT_INDEXER_PDL");
+  return v == nullptr || v[0] == '\0' || v[0] != '0';
+}
+
 int log2_exact(int64_t v) {  // log2 of a power of two, else -1
   if (v < 1 || (v & (v - 1))) return -1;
   int l = 0;
@@ -929,8 +963,17 @@ cudaError_t launch_select(const IndexerArgs& a, const Ws& ws, int64_t t0, int64_
   int64_t ctas = static_cast<int64_t>(num_sms()) * 2 / g;
   if (ctas > chunks) ctas = chunks;
   if (ctas < 1) ctas = 1;
-  select_kernel<<<static_cast<unsigned>(g * ctas), kSelectThreads, smem, stream>>>(a, ws, t0, static_cast<int>(ctas));
-  return cudaGetLastError();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(g * ctas));
+  cfg.blockDim = dim3(kSelectThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, select_kernel, a, ws, t0, static_cast<int>(ctas));
 }
 
 }  // namespace

@@ -108,3 +108,23 @@ def test_bench_sparse_attn(benchmark, copy_bandwidth, mode, fmt):
           f"TFLOP/s-equiv, {key_bytes / per_call / 1e9:.0f} GB/s of keys; {verdict} "
           f"[{torch.cuda.get_device_name()}, {info['coverage']}]")
     benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=ROUNDS, warmup_rounds=2)
+
+
+@pytest.mark.parametrize("splits", [0, 22, 33, 44, 66, 131])
+def test_bench_hca_splits(benchmark, copy_bandwidth, splits, monkeypatch):
+    """HCA 1M, batch 1, FP8 rows, with the key-split count forced through DSV4RT_ATTN_SPLITS (0: the shape-decided
+    count): where the split model's choice sits among its neighbours."""
+    if splits:
+        monkeypatch.setenv("DSV4RT_ATTN_SPLITS", str(splits))
+    first, key_bytes = _inputs("hca", True, seed=0)
+    n_sets = max(1, min(16, -(-L2_DEFEAT_BYTES // key_bytes)))
+    sets = [first] + [_inputs("hca", True, seed=s)[0] for s in range(1, n_sets)]
+    repeats = 16 * n_sets
+    graph = capture(lambda i: sparse_attn(*sets[i % len(sets)]), repeats, warmup=len(sets))
+    per_call = median_seconds(graph.replay, ROUNDS) / repeats
+    read_time = key_bytes / copy_bandwidth
+    benchmark.extra_info.update(dict(device=torch.cuda.get_device_name(), splits=splits, us_per_call=per_call * 1e6,
+                                     time_over_key_read=per_call / read_time))
+    print(f"\nBENCH hca_1m fp8 splits={splits or 'auto'}: {per_call * 1e6:.2f} us/call = {per_call / read_time:.2f}x "
+          f"the key read ({read_time * 1e6:.2f} us) [{torch.cuda.get_device_name()}]")
+    benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=ROUNDS, warmup_rounds=2)

@@ -267,3 +267,13 @@ def test_graph_replay_new_inputs(fmt):
 def test_opcheck_flash():
     args = make_inputs(_lengths_tokens([600, 1500], 1), "fp4", **FLASH, seed=11)
     torch.library.opcheck(torch.ops.dsv4rt.indexer_topk.default, args)
+
+
+@pytest.mark.parametrize("per_block", [32, 8])
+def test_many_tiles_per_cta(per_block):
+    # 60 queries of ~20,000 visible entries: 8 scoring CTAs a query, each with ~39 tiles of 64 entries (the raw-row
+    # ring wraps many times); per_block 8: a warp's 16 rows span two blocks
+    dims = dict(n_heads=64, head_dim=64, topk=64, per_block=per_block)
+    toks = [(0, RATIO * 20000 - 1 - 37 * i) for i in range(60)]
+    args = make_inputs(toks, "fp4", **dims, seed=6)
+    check(run_poisoned(args), args)
