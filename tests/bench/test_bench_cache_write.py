@@ -8,8 +8,8 @@ Each benchmark captures REPEATS steps in one CUDA graph; the time per step is th
     <= 10 us for the three together); decode_close: the worst case, every request closes a CSA and an HCA window;
   * swa: the sliding-ring write of the same two steps.
 Run: python -m pytest tests/bench/test_bench_cache_write.py --benchmark-only -s
-The decode modes also time the three through the general kernel (DSV4RT_COMPRESSOR_SMALL=0: no small-call kernel),
-the reference the small-call kernel is compared to, and print the per-compressor breakdown.
+The decode modes also time the three through the opt-in small-call kernel (DSV4RT_COMPRESSOR_SMALL=1), against the
+default general kernel, and print the per-compressor breakdown.
 With DSV4RT_BENCH_SWEEP=1, test_bench_compressor_sweep also times each compressor alone under a list of forced
 launch configurations (csrc/compressor.cu pick_small and pick_config, through its DSV4RT_COMPRESSOR_* environment
 variables) at decode and prints one table: the numbers that pick the defaults.
@@ -149,9 +149,9 @@ def test_bench_compressor_update(benchmark, copy_bandwidth, mode, fmt):
         info[f"{name}_closes"] = meta["closes"]
     for name, call in zip(COMPRESSORS, calls):  # each alone, for the breakdown
         info[f"{name}_us"] = median_seconds(_capture([call], REPEATS[mode]).replay, ROUNDS) / REPEATS[mode] * 1e6
-    if mode != "prefill":  # the reference: the three through the general kernel (no small-call kernel)
-        general = _with_env({"DSV4RT_COMPRESSOR_SMALL": "0"}, lambda: _capture(calls, REPEATS[mode]))
-        info["general_kernel_us"] = median_seconds(general.replay, ROUNDS) / REPEATS[mode] * 1e6
+    if mode != "prefill":  # the alternative: the three through the opt-in small-call kernel
+        small = _with_env({"DSV4RT_COMPRESSOR_SMALL": "1"}, lambda: _capture(calls, REPEATS[mode]))
+        info["small_kernel_us"] = median_seconds(small.replay, ROUNDS) / REPEATS[mode] * 1e6
     graph = _capture(calls, REPEATS[mode])
     _report(benchmark, graph, REPEATS[mode], nbytes, copy_bandwidth, info)
     parts = ", ".join(f"{k} {v:.2f}" for k, v in info.items() if k.endswith("_us"))
@@ -169,14 +169,14 @@ def test_bench_swa_cache_write(benchmark, copy_bandwidth, mode, fmt):
     _report(benchmark, graph, REPEATS[mode], meta["bytes"], copy_bandwidth, {"mode": mode, "kv_dtype": fmt})
 
 
-# (mode, compressor) -> forced configurations "K,G,chunk,pipe,small" (empty: the launcher's default; small=0: the
-# general kernel). Large calls (prefill) are timed by test_bench_compressor_update alone.
+# (mode, compressor) -> forced configurations "K,G,chunk,pipe,small" (empty: the launcher's default, the general
+# kernel; small=1: the opt-in small-call kernel). Large calls (prefill) are timed by test_bench_compressor_update alone.
 SWEEP = {
-    ("decode", "csa_main"): [",,,,", ",,,,0", ",2,1,,0", ",,2,,", ",2,1,,", "2,,1,,", "4,,1,,"],
-    ("decode", "csa_indexer"): [",,,,", ",,,,0", ",2,1,,0", ",,2,,", ",2,1,,"],
-    ("decode", "hca"): [",,,,", ",,,,0", "8,16,1,,", "8,16,2,,", "8,16,8,,", "8,8,4,,", "4,8,4,,", "4,8,1,,"],
-    ("decode_close", "csa_main"): [",,,,", ",,,,0"],
-    ("decode_close", "hca"): [",,,,", ",,,,0", "8,16,1,,", "8,16,2,,", "8,8,1,,", "4,8,1,,"],
+    ("decode", "csa_main"): [",,,,", ",,,,1", ",2,1,,", ",,2,,1", ",2,1,,1", "2,,1,,1", "4,,1,,1"],
+    ("decode", "csa_indexer"): [",,,,", ",,,,1", ",2,1,,", ",,2,,1", ",2,1,,1"],
+    ("decode", "hca"): [",,,,", ",,,,1", "8,16,1,,1", "8,16,2,,1", "8,16,8,,1", "8,8,4,,1", "4,8,4,,1", "4,8,1,,1"],
+    ("decode_close", "csa_main"): [",,,,", ",,,,1"],
+    ("decode_close", "hca"): [",,,,", ",,,,1", "8,16,1,,1", "8,16,2,,1", "8,8,1,,1", "4,8,1,,1"],
 }
 _KNOBS = ("CLUSTER", "GROUPS", "CHUNK", "PIPE", "SMALL")
 
@@ -225,7 +225,7 @@ def test_bench_compressor_sweep(benchmark, copy_bandwidth):
             calls.append((compressor_update, args))
             nbytes += meta["bytes"]
         for pdl in ("1", "0"):
-            for small in ("", "0"):
+            for small in ("", "1"):
                 env = {"DSV4RT_COMPRESSOR_PDL": pdl, "DSV4RT_COMPRESSOR_SMALL": small}
                 graph = _with_env(env, lambda: _capture(calls, REPEATS[mode]))
                 us = median_seconds(graph.replay, ROUNDS) / REPEATS[mode] * 1e6
