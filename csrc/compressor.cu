@@ -735,8 +735,8 @@ __device__ void process_closer(const CompressorArgs& a, const Ctx& x, const Shar
 
 template <typename OutT, int QUANT>
 __global__ void __launch_bounds__(kMaxThreads) compressor_update_kernel(const __grid_constant__ CompressorArgs a) {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous grid's writes are visible
+  pdl_launch_dependents();
+  pdl_wait();  // the previous grid's writes are visible
   extern __shared__ float4 smem[];
   constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
   Ctx x;
@@ -1102,8 +1102,8 @@ __device__ void small_write_rows(const CompressorArgs& a, const Ctx& x, int64_t 
 template <typename OutT, int QUANT>
 __global__ void __launch_bounds__(kSmallMaxThreads, 2)
     compressor_small_kernel(const __grid_constant__ CompressorArgs a) {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous grid's writes are visible
+  pdl_launch_dependents();
+  pdl_wait();  // the previous grid's writes are visible
   extern __shared__ float4 smem[];
   Ctx x;
   x.K = a.cluster;

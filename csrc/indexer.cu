@@ -75,20 +75,9 @@ __device__ __forceinline__ int64_t block_of(const IndexerArgs& a, int64_t slot, 
   return b < 0 ? 0 : (b >= a.n_blocks ? a.n_blocks - 1 : b);  // keep reads in the pool whatever the table holds
 }
 
-// Programmatic dependent launch: the select grid is launched with programmatic stream serialization, so it may be
-// scheduled once every scoring CTA has passed pdl_launch_dependents(); it calls pdl_wait() (the scoring grid has
-// completed and its writes are visible) before it touches global memory.
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
+// Programmatic dependent launch (launch.cuh): the select grid is launched with programmatic stream serialization, so
+// it may be scheduled once every scoring CTA has passed pdl_launch_dependents(); it calls pdl_wait() (the scoring
+// grid has completed and its writes are visible) before it touches global memory.
 
 // Larger score -> larger key; -0 counts as +0.
 __device__ __forceinline__ uint32_t order_key(float s) {

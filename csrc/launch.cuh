@@ -27,6 +27,21 @@ __device__ __forceinline__ T* cluster_map(T* p, unsigned rank) {
   return cooperative_groups::this_cluster().map_shared_rank(p, rank);
 }
 
+// Programmatic dependent launch (sm_90+, no-ops before): a grid launched with programmatic stream serialization
+// may be scheduled once every CTA of the grid before it has called pdl_launch_dependents() (or exited); pdl_wait()
+// returns when the previous grid has completed and its writes are visible.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // kernel<<<grid, block, smem, stream>>>(args...) in clusters of `cluster` CTAs along x (1: a plain launch).
 template <typename... Params, typename... Args>
 cudaError_t launch_clustered(void (*kernel)(Params...), unsigned grid, unsigned block, size_t smem, cudaStream_t stream,

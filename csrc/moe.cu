@@ -52,17 +52,6 @@ constexpr int kChunk = 32;         // columns a warp covers per 16-byte load of 
 constexpr int kCombineThreads = 128;
 
 // ------------------------------------------------------------------------------------------ device helpers
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 
 __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -210,7 +199,7 @@ __global__ void __launch_bounds__(kGateThreads) moe_gate_kernel(const T* x, cons
   };
   load_w(tr);  // the weights are no predecessor's output: in flight before the wait
   pdl_wait();
-  pdl_trigger();
+  pdl_launch_dependents();
   float acc[moe_gate_max_tokens];
 #pragma unroll
   for (int t = 0; t < moe_gate_max_tokens; ++t) acc[t] = 0.0f;
@@ -263,7 +252,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const float
                                                                      int64_t n_tokens, int n_experts, int topk,
                                                                      float scale, float* __restrict__ weights,
                                                                      int32_t* __restrict__ ids) {
-  pdl_trigger();  // see "Routers" above: the successor may start while this waits for the logits
+  pdl_launch_dependents();  // see "Routers" above: the successor may start while this waits for the logits
   pdl_wait();
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouteWarps + (threadIdx.x >> 5);
@@ -326,7 +315,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_hash_route_kernel(
     const float* __restrict__ logits, const void* __restrict__ tid2eid, bool tid2eid_i64,
     const void* __restrict__ token_ids, bool token_ids_i64, int64_t vocab, int64_t n_tokens, int n_experts, int topk,
     float scale, float* __restrict__ weights, int32_t* __restrict__ ids) {
-  pdl_trigger();
+  pdl_launch_dependents();
   pdl_wait();
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouteWarps + (threadIdx.x >> 5);
@@ -358,9 +347,9 @@ __global__ void __launch_bounds__(kPlanThreads) moe_plan_kernel(const int32_t* _
   int* count = plan_smem;               // [E]
   int* cursor = plan_smem + n_experts;  // [E]
   __shared__ int warp_pairs[32], warp_active[32], totals[2];
-  if (early) pdl_trigger();  // x_ready: the up kernel's shared-expert CTAs start at once (they read x, no plan)
+  if (early) pdl_launch_dependents();  // x_ready: the up kernel's shared-expert CTAs start at once (they read x, no plan)
   pdl_wait();
-  if (!early) pdl_trigger();
+  if (!early) pdl_launch_dependents();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (int e = tid; e < n_experts; e += kPlanThreads) count[e] = 0;
   __syncthreads();
@@ -515,7 +504,7 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_up_mma_kernel(const GemvA
   const bool early = a.x_ready && s == a.n_slots && a.sg != nullptr;
   if (!early) {
     pdl_wait();
-    pdl_trigger();
+    pdl_launch_dependents();
   }
   Slot<T> sl;
   if (!slot_rows<T>(a, s, s < a.n_slots ? a.plan.slot_expert[s] : 0, sl)) return;
@@ -592,7 +581,7 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_up_mma_kernel(const GemvA
   }
   if (early) {  // before the dependents may start: the down kernel reads the plan before its own wait
     pdl_wait();
-    pdl_trigger();
+    pdl_launch_dependents();
   }
 }
 
@@ -610,7 +599,7 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_down_mma_kernel(const Gem
     prefetch_l2(sl.down + (r0 + threadIdx.x) * I, static_cast<uint32_t>(I * sizeof(T)));
   }
   pdl_wait();
-  pdl_trigger();
+  pdl_launch_dependents();
   if (!used) return;
   slot_pairs<T>(a, s, sl);
   const int off = sl.off, n = sl.n;
@@ -985,7 +974,7 @@ __global__ void __launch_bounds__(kTinyThreads, 2) moe_up_tiny_kernel(const Tiny
     }
   }
   pdl_wait();
-  pdl_trigger();
+  pdl_launch_dependents();
   if (!early) {  // x is the predecessor's output: the operands of the items already copied go now
     TinyCursor q;
     for (int p = 0; p < issued; ++p, q.next(per_slot)) tiny_issue_operand<T>(ring, q, warp, nk, xg);
@@ -1095,7 +1084,7 @@ __global__ void __launch_bounds__(kTinyThreads, 2) moe_down_tiny_kernel(const Ti
     cp_async_commit();
   }
   pdl_wait();
-  pdl_trigger();
+  pdl_launch_dependents();
   {  // act is the up kernel's output: the operands of the items already copied go now
     TinyCursor q;
     for (int p = 0; p < kTinyStages - 1; ++p, q.next(per_slot)) tiny_issue_operand<T>(ring, q, warp, nk, operand(q));
@@ -1167,7 +1156,7 @@ __global__ void __launch_bounds__(256) moe_act_kernel(const T* gate, const T* up
                                                       T* __restrict__ act, int64_t n_rows, int64_t inter,
                                                       float limit) {
   pdl_wait();
-  pdl_trigger();
+  pdl_launch_dependents();
   const int64_t per_row = inter / 8, total = n_rows * per_row;
   for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < total;
        v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -1218,7 +1207,7 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const Y* y
                                                                       const int32_t* pos_of, T* __restrict__ out,
                                                                       int64_t dim, int topk, bool vec) {
   pdl_wait();
-  pdl_trigger();
+  pdl_launch_dependents();
   const int64_t t = blockIdx.x;
   const int64_t d = (static_cast<int64_t>(blockIdx.y) * kCombineThreads + threadIdx.x) * 8;
   if (d >= dim) return;
