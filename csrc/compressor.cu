@@ -1308,28 +1308,8 @@ cudaError_t launch_grid(Kernel kernel, const CompressorArgs& a, const Config& cf
     if (err != cudaSuccess) return err;
   }
   const int64_t n_chunks = (a.n_tokens + cfg.chunk - 1) / cfg.chunk;
-  cudaLaunchConfig_t lc = {};
-  lc.gridDim = dim3(static_cast<unsigned>(n_chunks * cfg.cluster));
-  lc.blockDim = dim3(static_cast<unsigned>(cfg.threads));
-  lc.dynamicSmemBytes = cfg.smem;
-  lc.stream = stream;
-  cudaLaunchAttribute attr[2];
-  int n_attr = 0;
-  if (cfg.cluster > 1) {
-    attr[n_attr].id = cudaLaunchAttributeClusterDimension;
-    attr[n_attr].val.clusterDim.x = static_cast<unsigned>(cfg.cluster);
-    attr[n_attr].val.clusterDim.y = 1;
-    attr[n_attr].val.clusterDim.z = 1;
-    ++n_attr;
-  }
-  if (cfg.pdl) {
-    attr[n_attr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n_attr].val.programmaticStreamSerializationAllowed = 1;
-    ++n_attr;
-  }
-  lc.attrs = attr;
-  lc.numAttrs = n_attr;
-  return cudaLaunchKernelEx(&lc, kernel, a);
+  return launch_ex(kernel, dim3(static_cast<unsigned>(n_chunks * cfg.cluster)), dim3(static_cast<unsigned>(cfg.threads)),
+                   cfg.smem, stream, static_cast<unsigned>(cfg.cluster), cfg.pdl, a);
 }
 
 template <typename OutT, int QUANT>

@@ -952,17 +952,8 @@ cudaError_t launch_select(const IndexerArgs& a, const Ws& ws, int64_t t0, int64_
   int64_t ctas = static_cast<int64_t>(num_sms()) * 2 / g;
   if (ctas > chunks) ctas = chunks;
   if (ctas < 1) ctas = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(g * ctas));
-  cfg.blockDim = dim3(kSelectThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, select_kernel, a, ws, t0, static_cast<int>(ctas));
+  return launch_ex(select_kernel, dim3(static_cast<unsigned>(g * ctas)), dim3(kSelectThreads), smem, stream, 1,
+                   pdl_enabled(), a, ws, t0, static_cast<int>(ctas));
 }
 
 }  // namespace

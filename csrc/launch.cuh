@@ -42,22 +42,33 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...) in clusters of `cluster` CTAs along x (1: a plain launch).
+// kernel<<<grid, block, smem, stream>>>(args...), in clusters of `cluster` CTAs along x (1: no clusters) and, with
+// `pdl`, with programmatic stream serialization: the grid may be scheduled while its predecessor on the stream still
+// runs, so its kernel must pdl_wait() before it touches what the predecessor writes.
 template <typename... Params, typename... Args>
-cudaError_t launch_clustered(void (*kernel)(Params...), unsigned grid, unsigned block, size_t smem, cudaStream_t stream,
-                             unsigned cluster, Args&&... args) {
+cudaError_t launch_ex(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                      unsigned cluster, bool pdl, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(block);
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (cluster > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster;
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = cluster > 1 ? 1 : 0;
+  cfg.numAttrs = n;
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 

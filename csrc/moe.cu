@@ -129,20 +129,11 @@ __device__ __forceinline__ void mma_chunk(float (&d)[4], const uint4& ra, const 
   Mma<T>::run(d, ra.z, rb.z, ra.w, rb.w, xv.z, xv.w);
 }
 
+// A launch without clusters, with programmatic stream serialization when `pdl` (launch.cuh).
 template <typename... Params, typename... Args>
 cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
                    Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  return launch_ex(kernel, grid, block, smem, stream, 1, pdl, std::forward<Args>(args)...);
 }
 
 // ------------------------------------------------------------------------------------------ gate
