@@ -53,9 +53,15 @@ void compressor_update_cuda(const at::Tensor& kv, const at::Tensor& score, const
               "compressor_update: inv_freq must be contiguous float32");
   TORCH_CHECK(ape.dim() == 2 && ape.size(0) == ratio && ape.size(1) == c * d,
               "compressor_update: ape must be [m, c*d]");
-  TORCH_CHECK(kv_state.dim() == 3 && kv_state.size(1) == c * ratio && kv_state.size(2) == c * d &&
-                  kv_state.sizes() == score_state.sizes(),
-              "compressor_update: kv_state, score_state must be [S+1, c*m, c*d]");
+  if (overlap) {
+    TORCH_CHECK(kv_state.dim() == 3 && kv_state.size(1) == c * ratio && kv_state.size(2) == c * d &&
+                    kv_state.sizes() == score_state.sizes(),
+                "compressor_update: with overlap, kv_state and score_state must be [S+1, 2*m, 2*d]");
+  } else {  // the online softmax state: A [S+1, 1, d], (M, Z) [S+1, 2, d]
+    TORCH_CHECK(kv_state.dim() == 3 && kv_state.size(1) == 1 && kv_state.size(2) == d && score_state.dim() == 3 &&
+                    score_state.size(0) == kv_state.size(0) && score_state.size(1) == 2 && score_state.size(2) == d,
+                "compressor_update: without overlap, kv_state must be [S+1, 1, d] and score_state [S+1, 2, d]");
+  }
   for (const at::Tensor* idx : {&req_slot, &positions, &start_pos, &end_pos}) {
     TORCH_CHECK(idx->scalar_type() == at::kInt && idx->is_contiguous() && idx->numel() == n_tok &&
                     idx->device() == dev,

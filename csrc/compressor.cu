@@ -1178,6 +1178,248 @@ __global__ void __launch_bounds__(kSmallMaxThreads, 2)
 
 // ------------------------------------------------------------------ launch configuration (shapes only)
 
+// ------------------------------------------------------------------ no overlap: online softmax state (HCA)
+// The state of request slot r is the open window as a per-channel online softmax (ops/compressor.py):
+// score_state[r] = (M, Z) [2][d], kv_state[r] = A [d]; a channel with Z == 0 is empty. Nothing is buffered, so a
+// closing token reads one state row triple instead of m rows.
+// Items of a call: the tokens that close a window, and each request's owner: its token that closes the window
+// w0 = s / m open when the call starts or, when w0 does not close in the call, its last token. An item pools its
+// window's rows of this call (positions [max(s, w*m), p]; the owner also merges the state, which holds the
+// window's rows before s); a closing item writes its entry; the owner then writes the state: the merged window if
+// it does not close, else the request's new open window [e/m*m, e) pooled the same way (zeros when empty). Only
+// the owner reads or writes the state, so no other CTA orders against it.
+// Grid (shapes only): a cluster of R CTAs takes `chunk` consecutive tokens and runs their items one after
+// another. CTA k of the cluster pools the k-th of R contiguous parts of an item's rows over the whole row (a thread:
+// 4 channels, kOnlineBatch rows loaded at once, exact softmax a batch, batches merged online); the partials go to
+// rank 0 through distributed shared memory, merged in rank order (deterministic); rank 0 post-processes the entry
+// (store_entry, whole rows in one CTA) and writes the state. Decode: R = 1 and a token a CTA, so an item is one
+// round of loads (metadata, then the row and the state together) before the stores.
+constexpr int kOnlineBatch = 8;
+constexpr int kOnlineMaxThreads = 256;  // d <= 1024 (the binding's bound)
+
+struct OnlineShared {
+  float4* part;  // [3][threads] a CTA's partial (R > 1)
+  float* red;    // [kMaxWarps] per-warp sums of squares
+  float* had;    // [4 * quads] FP4 Hadamard butterflies across warps
+  int* meta;     // [5][chunk]: the items' chunk index, slot, position, start, end
+  int* counts;   // [kMaxWarps]
+};
+
+__host__ __device__ inline size_t online_smem_bytes(int threads, int cluster, int chunk, int had) {
+  return sizeof(float4) * (cluster > 1 ? 3 * static_cast<size_t>(threads) : 0) +
+         sizeof(float) * (kMaxWarps + had) + sizeof(int) * (5 * chunk + kMaxWarps);
+}
+
+// This rank's part of the rows of positions [lo, hi] (this call's rows of the request whose token at position p is
+// row t), merged into ps.
+__device__ __forceinline__ void online_rows(const CompressorArgs& a, int col, int64_t t, int p, int lo, int hi,
+                                            int rank, int R, Pool& ps) {
+  const int n = hi - lo + 1;
+  if (n <= 0) return;
+  const int per = (n + R - 1) / R, q0 = lo + rank * per, q1 = min(hi + 1, q0 + per);
+  const int64_t d = a.d;
+  for (int qb = q0; qb < q1; qb += kOnlineBatch) {
+    float4 v[kOnlineBatch], sc[kOnlineBatch];
+    bool ok[kOnlineBatch];
+#pragma unroll
+    for (int u = 0; u < kOnlineBatch; ++u) {
+      const int q = qb + u;
+      ok[u] = q < q1;
+      v[u] = sc[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (ok[u]) {
+        const int64_t row = (t + (q - p)) * d + col;
+        v[u] = ld4(a.kv + row);
+        sc[u] = add4(ld4(a.score + row), ld4(a.ape + mod_pos(q, a.ratio) * d + col));
+      }
+    }
+    reduce_batch(v, sc, ok, ps);
+  }
+}
+
+// The cluster's partials merged into rank 0's ps (rank order). Every thread of every CTA of the cluster calls it.
+__device__ __forceinline__ void online_merge(const OnlineShared& sh, int R, int rank, Pool& ps) {
+  if (R == 1) return;
+  const int tid = threadIdx.x, nt = blockDim.x;
+  sh.part[tid] = make_float4(ps.mx[0], ps.mx[1], ps.mx[2], ps.mx[3]);
+  sh.part[nt + tid] = make_float4(ps.z[0], ps.z[1], ps.z[2], ps.z[3]);
+  sh.part[2 * nt + tid] = make_float4(ps.acc[0], ps.acc[1], ps.acc[2], ps.acc[3]);
+  cluster_sync();
+  if (rank == 0) {
+    for (int rr = 1; rr < R; ++rr) {
+      const float4* o = cluster_map(sh.part, static_cast<unsigned>(rr));
+      const float4 m2 = o[tid], z2 = o[nt + tid], a2 = o[2 * nt + tid];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) merge_into(ps.mx[k], ps.z[k], ps.acc[k], comp(m2, k), comp(z2, k), comp(a2, k));
+    }
+  }
+  cluster_sync();  // rank 0 has read every partial: they may be overwritten, and the CTAs may exit
+}
+
+template <typename OutT, int QUANT>
+__global__ void __launch_bounds__(kOnlineMaxThreads) compressor_online_kernel(const __grid_constant__ CompressorArgs a) {
+  pdl_launch_dependents();
+  extern __shared__ float4 smem[];
+  constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
+  const int R = a.cluster, chunk = a.chunk;
+  const int rank = R > 1 ? static_cast<int>(cluster_rank()) : 0;
+  const int d = a.d, m = a.ratio;
+  Ctx x;
+  x.K = 1;
+  x.rank = 0;
+  x.dk = d;
+  x.ch0 = 0;
+  x.quads = d / 4;
+  x.G = 1;
+  x.g_half = 1;
+  x.n_pool = m;
+  x.tid = threadIdx.x;
+  x.quad = x.tid;
+  x.g = 0;
+  x.col = 4 * x.tid;
+  x.pools = x.post = x.tid < x.quads;
+  x.post_warps = (x.quads + 31) / 32;
+  const int nt = blockDim.x;
+  OnlineShared sh;
+  sh.part = smem;
+  sh.red = reinterpret_cast<float*>(smem + (R > 1 ? 3 * nt : 0));
+  const int had = had_floats(kFp4, x.quads);
+  sh.had = sh.red + kMaxWarps;
+  sh.meta = reinterpret_cast<int*>(sh.had + had);
+  sh.counts = sh.meta + 5 * chunk;
+
+  // constants of the post-processing (weights: complete before the previous grid started)
+  Consts cs = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f}};
+  const int nope = d - a.rope_dim;
+  if (x.post) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) cs.nw[k] = a.norm_weight[x.col + k];
+    if (x.col >= nope) {
+      cs.fr[0] = a.inv_freq[(x.col - nope) / 2];
+      cs.fr[1] = a.inv_freq[(x.col - nope) / 2 + 1];
+    }
+  }
+  pdl_wait();  // the previous grid's writes are visible
+
+  // --- the chunk's items (a token per thread), in token order
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x / R) * chunk;
+  const int lane = x.tid & 31, warp = x.tid >> 5;
+  int r = -1, p = 0, s = 0, e = 0;
+  bool item = false;
+  const int lt = chunk == 1 ? 0 : x.tid;  // one token: every thread loads it (no barrier)
+  if (lt < chunk && t0 + lt < a.n_tokens) {
+    const int64_t t = t0 + lt;
+    r = a.req_slot[t];
+    p = a.positions[t];
+    s = a.start_pos[t];
+    e = a.end_pos[t];
+    if (r >= 0 && r < a.n_slots) {  // else a PAD token: nothing (the reference uses the spare slot)
+      const bool closes = mod_pos(p + 1, m) == 0;
+      item = closes || (p == e - 1 && floor_div(p, m) == floor_div(s, m));
+    }
+  }
+  const unsigned ballot = __ballot_sync(0xffffffffu, item);
+  int n_items = 0;
+  if (chunk == 1) {
+    n_items = item ? 1 : 0;
+  } else {
+    const int meta_warps = (chunk + 31) / 32;
+    if (lane == 0 && warp < meta_warps) sh.counts[warp] = __popc(ballot);
+    __syncthreads();
+    int at = 0;
+    for (int wi = 0; wi < meta_warps; ++wi) {
+      at += wi < warp ? sh.counts[wi] : 0;
+      n_items += sh.counts[wi];
+    }
+    if (item) {
+      const int k = at + __popc(ballot & ((1u << lane) - 1u));
+      sh.meta[5 * k] = x.tid;
+      sh.meta[5 * k + 1] = r;
+      sh.meta[5 * k + 2] = p;
+      sh.meta[5 * k + 3] = s;
+      sh.meta[5 * k + 4] = e;
+    }
+    __syncthreads();
+  }
+
+  for (int k = 0; k < n_items; ++k) {
+    Tok tk;
+    if (chunk == 1) {
+      tk.t = t0;
+      tk.r = r;
+      tk.p = p;
+      tk.s = s;
+      tk.e = e;
+    } else {
+      tk.t = t0 + sh.meta[5 * k];
+      tk.r = sh.meta[5 * k + 1];
+      tk.p = sh.meta[5 * k + 2];
+      tk.s = sh.meta[5 * k + 3];
+      tk.e = sh.meta[5 * k + 4];
+    }
+    const int w = floor_div(tk.p, m), ws = w * m, w0 = floor_div(tk.s, m);
+    tk.open_start = w0 * m;
+    const bool closes = mod_pos(tk.p + 1, m) == 0, owner = w == w0, with_state = owner && ws < tk.s;
+    const int64_t st_sc = static_cast<int64_t>(tk.r) * 2 * d + x.col, st_kv = static_cast<int64_t>(tk.r) * d + x.col;
+    // the state's loads go out with the rows' (rank 0, owner only)
+    float4 sm = make_float4(0.0f, 0.0f, 0.0f, 0.0f), sz = sm, sa = sm;
+    if (with_state && rank == 0 && x.post) {
+      sm = ld4(a.score_state + st_sc);
+      sz = ld4(a.score_state + st_sc + d);
+      sa = ld4(a.kv_state + st_kv);
+    }
+    Dest dst{-1, 0};
+    Rot rt = {{1.0f, 1.0f}, {0.0f, 0.0f}};
+    if (closes && rank == 0) {
+      dst = entry_dest(a, x, tk, w);
+      rt = rope_rot(a, x, cs, w);
+    }
+    Pool ps;
+    ps.init();
+    if (x.post) online_rows(a, x.col, tk.t, tk.p, max(tk.s, ws), tk.p, rank, R, ps);
+    online_merge(sh, R, rank, ps);
+    if (with_state && rank == 0 && x.post) {
+#pragma unroll
+      for (int c4 = 0; c4 < 4; ++c4) {
+        if (comp(sz, c4) > 0.0f) merge_into(ps.mx[c4], ps.z[c4], ps.acc[c4], comp(sm, c4), comp(sz, c4), comp(sa, c4));
+      }
+    }
+    if (closes && rank == 0) {  // cast, sum of squares over the CTA (fixed order), store_entry
+      float val[4];
+      float ss = 0.0f;
+#pragma unroll
+      for (int c4 = 0; c4 < 4; ++c4) {
+        val[c4] = x.post ? round_to<OutT>(__fdiv_rn(ps.acc[c4], ps.z[c4])) : 0.0f;
+        ss = __fmaf_rn(val[c4], val[c4], ss);
+      }
+      ss = warp_sum(ss);
+      if (lane == 0 && warp < x.post_warps) sh.red[warp] = ss;
+      __syncthreads();
+      float tot = 0.0f;
+      for (int i = 0; i < x.post_warps; ++i) tot = __fadd_rn(tot, sh.red[i]);
+      store_entry<OutT, QUANT>(a, x, sh.had, cs, rt, dst, val, tot);
+      __syncthreads();  // sh.red and sh.had are reused by the next item
+    }
+    if (!owner) continue;
+    // --- the owner leaves the state: the merged window, or the new open window's rows, or an empty window
+    const int open_end = floor_div(tk.e, m) * m;
+    if (closes) {
+      ps.init();
+      if (tk.e > open_end) {
+        if (x.post) online_rows(a, x.col, tk.t, tk.p, open_end, tk.e - 1, rank, R, ps);
+        online_merge(sh, R, rank, ps);
+      } else {
+#pragma unroll
+        for (int c4 = 0; c4 < 4; ++c4) ps.mx[c4] = 0.0f;  // empty: zeros
+      }
+    }
+    if (rank == 0 && x.post) {
+      st4(a.score_state + st_sc, make_float4(ps.mx[0], ps.mx[1], ps.mx[2], ps.mx[3]));
+      st4(a.score_state + st_sc + d, make_float4(ps.z[0], ps.z[1], ps.z[2], ps.z[3]));
+      st4(a.kv_state + st_kv, make_float4(ps.acc[0], ps.acc[1], ps.acc[2], ps.acc[3]));
+    }
+  }
+}
+
 int env_int(const char* name, int fallback) {
   const char* v = std::getenv(name);
   return (v != nullptr && *v != '\0') ? std::atoi(v) : fallback;
@@ -1300,6 +1542,31 @@ bool pick_small(const CompressorArgs& a, Config& cfg) {
   return true;
 }
 
+// The online kernel's configuration: a cluster of 8 CTAs (rows of an item split 8 ways) over chunks of about the
+// tokens a request has in the call (its average, at most m: one window's closing token a chunk in a long prefill),
+// or a CTA a token when the call has about one token a request (decode). CLUSTER and CHUNK override.
+template <int QUANT>
+Config pick_online(const CompressorArgs& a) {
+  constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
+  Config cfg;
+  const int quads = a.d / 4;
+  cfg.threads = (quads + 31) / 32 * 32;
+  cfg.groups = 1;
+  cfg.pipe = 0;
+  int chunk = 1;
+  while (2 * chunk <= a.n_tokens / (a.n_slots > 0 ? a.n_slots : 1) && 2 * chunk <= a.ratio) chunk *= 2;
+  const int c_env = env_int("DSV4RT_COMPRESSOR_CHUNK", 0);
+  if (c_env > 0) chunk = c_env;
+  cfg.chunk = chunk < 1 ? 1 : (chunk > cfg.threads ? cfg.threads : chunk);
+  int cluster = cfg.chunk >= 16 ? 8 : 1;
+  const int k_env = env_int("DSV4RT_COMPRESSOR_CLUSTER", 0);
+  if (k_env == 1 || k_env == 2 || k_env == 4 || k_env == 8) cluster = k_env;
+  cfg.cluster = cluster;
+  cfg.smem = online_smem_bytes(cfg.threads, cfg.cluster, cfg.chunk, had_floats(kFp4, quads));
+  cfg.pdl = env_int("DSV4RT_COMPRESSOR_PDL", 1) != 0;
+  return cfg;
+}
+
 template <typename Kernel>
 cudaError_t launch_grid(Kernel kernel, const CompressorArgs& a, const Config& cfg, cudaStream_t stream) {
   if (cfg.smem > 48 * 1024) {
@@ -1315,6 +1582,14 @@ cudaError_t launch_grid(Kernel kernel, const CompressorArgs& a, const Config& cf
 template <typename OutT, int QUANT>
 cudaError_t launch_typed(CompressorArgs a, cudaStream_t stream) {
   Config cfg;
+  if (a.c == 1) {  // no overlap: the online softmax state
+    cfg = pick_online<QUANT>(a);
+    a.cluster = cfg.cluster;
+    a.groups = cfg.groups;
+    a.chunk = cfg.chunk;
+    a.pipe = cfg.pipe;
+    return launch_grid(compressor_online_kernel<OutT, QUANT>, a, cfg, stream);
+  }
   const bool small = pick_small<QUANT>(a, cfg);
   if (!small) cfg = pick_config<QUANT>(a);
   a.cluster = cfg.cluster;

@@ -5,8 +5,9 @@ Per layer (buffers of a `LayerCache`):
                                    slot that padded tokens write to
   entries     [NB+1, 128/m, R]     CSA/HCA compressed entries, paged: block b of a request covers its
                                    source tokens [128b, 128b+128); block NB is the trash block
-  kv_state,   [S+1, c*m, c*d] fp32 compressor open window (+ overlap rows for CSA), per request slot
-  score_state
+  kv_state,   CSA: [S+1, 2m, 2d] fp32 each, the open window's rows + the overlap rows, per request slot;
+  score_state HCA: the open window as a per-channel online softmax, kv_state [S+1, 1, d] (A) and
+              score_state [S+1, 2, d] (M, Z) (ops/compressor.py); zeros = an empty window
   idx_*       the same three for the CSA indexer compressor (d = index_head_dim)
 R is the row width: head_dim values in the activation dtype ("auto", "fp8_sim") or the FP8 row
 layout's bytes ("fp8"; FP4 rows for indexer entries). One block table per request addresses the
@@ -67,10 +68,10 @@ class LayerCache(nn.Module):
         self.register_buffer("swa", rows((n_slots + 1, cfg.sliding_window), hd, main_quant), persistent=False)
         if layer_type in (CSA, HCA):
             m = cfg.ratio(layer_type)
-            c = 2 if layer_type == CSA else 1
+            kv_rows, sc_rows, width = (2 * m, 2 * m, 2 * hd) if layer_type == CSA else (1, 2, hd)
             self.register_buffer("entries", rows((num_blocks + 1, BLOCK_TOKENS // m), hd, main_quant), persistent=False)
-            self.register_buffer("kv_state", torch.zeros(n_slots + 1, c * m, c * hd, device=device), persistent=False)
-            self.register_buffer("score_state", torch.zeros(n_slots + 1, c * m, c * hd, device=device),
+            self.register_buffer("kv_state", torch.zeros(n_slots + 1, kv_rows, width, device=device), persistent=False)
+            self.register_buffer("score_state", torch.zeros(n_slots + 1, sc_rows, width, device=device),
                                  persistent=False)
         if layer_type == CSA:
             m, di = cfg.csa_ratio, cfg.index_head_dim
@@ -131,9 +132,9 @@ def cache_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "fp8", dtype: torch.
     main = kv_quant.fp8_row_bytes(cfg.head_dim, cfg.rope_dim) if kv_dtype == "fp8" else cfg.head_dim * el
     idx = kv_quant.fp4_row_bytes(cfg.index_head_dim) if kv_dtype == "fp8" else cfg.index_head_dim * el
     ring = cfg.sliding_window * main
-    # compressor state: kv_state + score_state, fp32, [c*m, c*d] each per request
+    # compressor state per request, fp32: CSA kv_state + score_state [2m, 2d] each; HCA (M, Z, A) [3, d]
     csa_state = 2 * 4 * (2 * cfg.csa_ratio * 2 * cfg.head_dim + 2 * cfg.csa_ratio * 2 * cfg.index_head_dim)
-    hca_state = 2 * 4 * cfg.hca_ratio * cfg.head_dim
+    hca_state = 3 * 4 * cfg.head_dim
     return {
         SLIDING: {"per_token": 0.0, "per_request": ring},
         CSA: {"per_token": (main + idx) / cfg.csa_ratio, "per_request": ring + csa_state},

@@ -16,7 +16,7 @@ from dsv4rt.ops.kv_quant import store_rows
 from dsv4rt.ops.swa import PAD_SLOT
 
 from .cache import BlockAllocator, KVCache
-from .config import BLOCK_TOKENS, CSA, SLIDING
+from .config import BLOCK_TOKENS, CSA, HCA, SLIDING
 from .model import Model, StepTensors
 from .prepare import Segment, StepInputs, bucket_for, buckets_up_to, fill, logit_rows_for, split_segments
 
@@ -286,6 +286,8 @@ class Runtime:
                 continue
             lc.kv_state[req.slot] = rand(*lc.kv_state.shape[1:])
             lc.score_state[req.slot] = rand(*lc.score_state.shape[1:])
+            if lc.layer_type == HCA:  # online softmax state (M, Z, A): Z > 0, a window of a few rows
+                lc.score_state[req.slot, 1] = lc.score_state[req.slot, 1].abs() + 1.0
             if need:
                 per_block = lc.entries.shape[1]
                 lc.entries[blocks] = store_rows(rand(need, per_block, cfg.head_dim), cfg.rope_dim, lc.main_quant,

@@ -4,9 +4,13 @@ One op serves the three compressors of the spec (CSA main: overlap, d=512; CSA i
 d=128; HCA: no overlap, d=512) for decode and prefill chunks alike.
 
 State of request slot r (fp32), c = 2 with overlap else 1, m = ratio:
-    kv_state / score_state [S+1, c*m, c*d]
-        overlap only: rows [0, m)  = full rows of the last closed window (their A halves feed the next entry)
-        rows [(c-1)*m, c*m)        = the open window, position q at row (c-1)*m + q mod m
+    overlap (CSA): kv_state / score_state [S+1, 2m, 2d], buffered rows
+        rows [0, m)   = full rows of the last closed window (their A halves feed the next entry)
+        rows [m, 2m)  = the open window, position q at row m + q mod m
+    no overlap (HCA): per-channel online softmax of the open window's rows (no rows are buffered)
+        score_state [S+1, 2, d]: row 0 = running max M, row 1 = Z = sum of exp(score + ape - M)
+        kv_state    [S+1, 1, d]: row 0 = A = sum of exp(score + ape - M) * kv
+        a channel with Z == 0 is empty (a fresh request's zeros); the entry of a closing window is A / Z.
 Entry w of a request (window [w*m, (w+1)*m)) is pooled (per-channel softmax over slots: A halves of
 window w-1 and B halves of window w with overlap; the m rows of window w without), RMS-normed,
 RoPE'd at position w*m, quantised and written to entry_cache[block_table[r, w // E], w % E]
@@ -36,8 +40,13 @@ def _compressor_update_fake(kv, score, ape, norm_weight, inv_freq, kv_state, sco
     torch._check(kv.shape == score.shape and kv.shape[1] == c * d)
     torch._check(kv.dtype == torch.float32 and score.dtype == torch.float32)
     torch._check(ape.shape[0] == ratio and ape.shape[1] == c * d)
-    torch._check(kv_state.shape[1] == c * ratio and kv_state.shape[2] == c * d)
-    torch._check(kv_state.shape == score_state.shape and kv_state.dtype == torch.float32)
+    if overlap:
+        torch._check(kv_state.shape[1] == c * ratio and kv_state.shape[2] == c * d)
+        torch._check(kv_state.shape == score_state.shape)
+    else:
+        torch._check(kv_state.shape[1] == 1 and kv_state.shape[2] == d)
+        torch._check(score_state.shape == (kv_state.shape[0], 2, d))
+    torch._check(kv_state.dtype == torch.float32 and score_state.dtype == torch.float32)
     torch._check(block_table.dtype == torch.int32)
     if quant == QUANT_FP8:
         torch._check(entry_cache.dtype == torch.uint8 and entry_cache.shape[2] == fp8_row_bytes(d, 2 * inv_freq.shape[0]))
@@ -45,6 +54,28 @@ def _compressor_update_fake(kv, score, ape, norm_weight, inv_freq, kv_state, sco
         torch._check(entry_cache.dtype == torch.uint8 and entry_cache.shape[2] == fp4_row_bytes(d))
     else:  # stored as values (QUANT_NONE or a simulated format)
         torch._check(entry_cache.dtype == dtype and entry_cache.shape[2] == d)
+
+
+def _online_pool(kv: Tensor, sc: Tensor, kv_state: Tensor, score_state: Tensor, valid: Tensor, slot: Tensor,
+                 p: Tensor, s: Tensor, m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """No overlap: (M, Z, A) [T, d] of each token's window over its rows up to the last row of the window in this
+    call, merged with the request's state when the window opened before the call (position s)."""
+    n_tok, d = kv.shape
+    tok = torch.arange(n_tok, device=kv.device)
+    ws = torch.div(p, m, rounding_mode="floor") * m                 # the window's first position
+    first = tok - (p - torch.maximum(s, ws))                         # the window's first token in this call
+    first = torch.where(valid, first, tok).clamp(0, n_tok - 1)
+    sc = torch.where(valid[:, None], sc, float("-inf"))
+    idx = first[:, None].expand(n_tok, d)
+    mx = torch.full_like(sc, float("-inf")).scatter_reduce(0, idx, sc, "amax", include_self=True)[first]
+    st_m, st_z, st_a = score_state[slot, 0], score_state[slot, 1], kv_state[slot, 0]
+    has = (valid & (ws < s))[:, None] & (st_z > 0)                   # the state holds rows [ws, s)
+    mx = torch.where(has, torch.maximum(mx, st_m), mx)
+    e = torch.where(valid[:, None], torch.exp(sc - mx), 0.0)
+    z = torch.zeros_like(sc).index_add_(0, first, e)[first]
+    acc = torch.zeros_like(sc).index_add_(0, first, e * kv)[first]
+    f = torch.where(has, torch.exp(st_m - mx), 0.0)
+    return mx, z + f * torch.where(has, st_z, 0.0), acc + f * torch.where(has, st_a, 0.0)
 
 
 def compressor_update_ref(kv: Tensor, score: Tensor, ape: Tensor, norm_weight: Tensor, inv_freq: Tensor,
@@ -61,26 +92,27 @@ def compressor_update_ref(kv: Tensor, score: Tensor, ape: Tensor, norm_weight: T
     p, s, e = positions.long(), start_pos.long(), end_pos.long()
     sc = score + ape[p.remainder(m)]
     tok = torch.arange(n_tok, device=dev)
-
-    # --- gather the rows of window w-1 (overlap) and window w for the window each token would close
     closes = valid & ((p + 1).remainder(m) == 0)
     w = torch.div(p + 1, m, rounding_mode="floor") - 1
-    r = torch.arange(c * m, device=dev)
-    q = (w[:, None] - (c - 1)) * m + r[None, :]  # [T, c*m] source positions
-    in_chunk = q >= s[:, None]
-    chunk_row = (tok[:, None] - (p[:, None] - q)).clamp(0, n_tok - 1)
-    open_start = torch.div(s, m, rounding_mode="floor") * m
-    state_row = torch.where(q >= open_start[:, None], (c - 1) * m + q.remainder(m), q.remainder(m))
-    src_kv = torch.where(in_chunk[..., None], kv[chunk_row], kv_state[slot[:, None], state_row])
-    src_sc = torch.where(in_chunk[..., None], sc[chunk_row], score_state[slot[:, None], state_row])
-    src_sc = torch.where((q >= 0)[..., None], src_sc, float("-inf"))
+
     if overlap:
+        # --- gather the rows of window w-1 and window w for the window each token would close
+        r = torch.arange(c * m, device=dev)
+        q = (w[:, None] - (c - 1)) * m + r[None, :]  # [T, c*m] source positions
+        in_chunk = q >= s[:, None]
+        chunk_row = (tok[:, None] - (p[:, None] - q)).clamp(0, n_tok - 1)
+        open_start = torch.div(s, m, rounding_mode="floor") * m
+        state_row = torch.where(q >= open_start[:, None], (c - 1) * m + q.remainder(m), q.remainder(m))
+        src_kv = torch.where(in_chunk[..., None], kv[chunk_row], kv_state[slot[:, None], state_row])
+        src_sc = torch.where(in_chunk[..., None], sc[chunk_row], score_state[slot[:, None], state_row])
+        src_sc = torch.where((q >= 0)[..., None], src_sc, float("-inf"))
         slot_kv = torch.cat((src_kv[:, :m, :d], src_kv[:, m:, d:]), dim=1)  # A halves of w-1, B halves of w
         slot_sc = torch.cat((src_sc[:, :m, :d], src_sc[:, m:, d:]), dim=1)
+        weights = torch.softmax(torch.where(closes[:, None, None], slot_sc, 0.0), dim=1)
+        pooled = (weights * torch.where(closes[:, None, None], slot_kv, 0.0)).sum(dim=1).to(dtype)  # [T, d]
     else:
-        slot_kv, slot_sc = src_kv, src_sc
-    weights = torch.softmax(torch.where(closes[:, None, None], slot_sc, 0.0), dim=1)
-    pooled = (weights * torch.where(closes[:, None, None], slot_kv, 0.0)).sum(dim=1).to(dtype)  # [T, d]
+        mx, z, acc = _online_pool(kv, sc, kv_state, score_state, valid, slot, p, s, m)
+        pooled = torch.where(closes[:, None], acc / torch.where(closes[:, None], z, 1.0), 0.0).to(dtype)
 
     # --- norm, RoPE at the window's first position, quantise, write through the block table
     x32 = pooled.float()
@@ -94,6 +126,17 @@ def compressor_update_ref(kv: Tensor, score: Tensor, ape: Tensor, norm_weight: T
     dst = torch.where(closes, blk * per_block + wc.remainder(per_block), (n_blocks - 1) * per_block)
     entry_cache.view(n_blocks * per_block, row_bytes).index_copy_(0, dst, rows)
 
+    if not overlap:
+        # --- state: the request's last token leaves its window's (M, Z, A), or an empty state when it closes
+        last = valid & (p == e - 1)
+        keep = (last & ~closes)[:, None]
+        zero = torch.zeros_like(mx)
+        st_slot = torch.where(last, slot, n_slots - 1)
+        score_state.view(n_slots * 2, d).index_copy_(0, torch.cat((2 * st_slot, 2 * st_slot + 1)),
+                                                     torch.cat((torch.where(keep, mx, zero), torch.where(keep, z, zero))))
+        kv_state.view(n_slots, d).index_copy_(0, st_slot, torch.where(keep, acc, zero))
+        return
+
     # --- state: the open window after the step, and (overlap) the last closed window's rows
     rows_per_slot = c * m
     in_open = valid & (p >= torch.div(e, m, rounding_mode="floor") * m)
@@ -101,12 +144,11 @@ def compressor_update_ref(kv: Tensor, score: Tensor, ape: Tensor, norm_weight: T
                            (n_slots - 1) * rows_per_slot + (c - 1) * m + p.remainder(m))
     kv_flat = kv_state.view(n_slots * rows_per_slot, cw)
     sc_flat = score_state.view(n_slots * rows_per_slot, cw)
-    if overlap:
-        last_close = closes & (p + m >= e)
-        ov_slot = torch.where(last_close, slot, n_slots - 1)
-        ov_dst = (ov_slot[:, None] * rows_per_slot + torch.arange(m, device=dev)[None, :]).reshape(-1)
-        kv_flat.index_copy_(0, ov_dst, src_kv[:, m:].reshape(-1, cw))
-        sc_flat.index_copy_(0, ov_dst, src_sc[:, m:].reshape(-1, cw))
+    last_close = closes & (p + m >= e)
+    ov_slot = torch.where(last_close, slot, n_slots - 1)
+    ov_dst = (ov_slot[:, None] * rows_per_slot + torch.arange(m, device=dev)[None, :]).reshape(-1)
+    kv_flat.index_copy_(0, ov_dst, src_kv[:, m:].reshape(-1, cw))
+    sc_flat.index_copy_(0, ov_dst, src_sc[:, m:].reshape(-1, cw))
     kv_flat.index_copy_(0, open_dst, kv)
     sc_flat.index_copy_(0, open_dst, sc)
 
@@ -121,7 +163,8 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, norm_weight: Tenso
     """Store a step's compressor rows and emit the entries of every window that closes in the step.
 
     Shapes: kv, score [T, c*d] fp32 (projections; ape [m, c*d] is added here); norm_weight [d];
-    inv_freq [rd/2]; kv_state, score_state [S+1, c*m, c*d] fp32; entry_cache [NB+1, E, d or bytes];
+    inv_freq [rd/2]; kv_state, score_state fp32: [S+1, 2m, 2d] each with overlap, else [S+1, 1, d] and
+    [S+1, 2, d] (online softmax state, see the module docstring); entry_cache [NB+1, E, d or bytes];
     req_slot/positions/start_pos/end_pos [T] int32; block_table [S+1, MB] int32.
     Mutates: kv_state, score_state (open window, overlap rows), entry_cache (closed entries). Capture-safe.
     """

@@ -179,14 +179,33 @@ def swa_cache_write_inputs(device, case: str = "prefill", fp8: bool = False, dty
 
 
 # ------------------------------------------------------------------------------------------ compressor
+EMPTY_STATE_SLOT = 0             # HCA: this slot's online state is all zeros (empty)
+EMPTY_CHANNELS = 0.125           # HCA: about this fraction of every other slot's channels is empty
+
+
+def online_state(gen: torch.Generator, n_slots: int, d: int) -> tuple[Tensor, Tensor]:
+    """(kv_state [n_slots, 1, d], score_state [n_slots, 2, d]): a valid per-channel online softmax state.
+
+    M ~ N(0, 1), Z = 0.5 + 2 |N(0, 1)| (> 0), A = Z * N(0, 1) (so A / Z is O(1)); slot EMPTY_STATE_SLOT and a random
+    EMPTY_CHANNELS of the other slots' channels are empty (M = Z = A = 0).
+    """
+    mx = _randn(gen, n_slots, d)
+    z = 0.5 + _randn(gen, n_slots, d).abs() * 2
+    acc = z * _randn(gen, n_slots, d)
+    empty = torch.rand(n_slots, d, generator=gen) < EMPTY_CHANNELS
+    empty[EMPTY_STATE_SLOT] = True
+    mx, z, acc = (torch.where(empty, 0.0, x) for x in (mx, z, acc))
+    return acc[:, None].contiguous(), torch.stack((mx, z), dim=1).contiguous()
+
+
 def compressor_update_inputs(device, case: str = "prefill", kind: str = "csa", quant: int = QUANT_NONE,
                              dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                              segs: Optional[tuple[Seg, ...]] = None, n_pad: int = 0) -> tuple:
     """All 18 args of compressor_update for one of COMPRESSORS ("csa", "hca", "indexer").
 
-    kv/score are fp32 projections [T, c*d]; the state holds random fp32 history (open-window rows and, with
-    overlap, the last closed window's rows), the entry pool random entries in the storage format of `quant`.
-    `segs`/`n_pad` override the named case.
+    kv/score are fp32 projections [T, c*d]; the state holds random fp32 history: with overlap open-window rows
+    and the last closed window's rows, without a valid online softmax state (`online_state`); the entry pool
+    holds random entries in the storage format of `quant`. `segs`/`n_pad` override the named case.
     """
     gen = _gen(seed)
     ratio, overlap, d = COMPRESSORS[kind]
@@ -201,8 +220,11 @@ def compressor_update_inputs(device, case: str = "prefill", kind: str = "csa", q
     ape = _randn(gen, ratio, c * d, scale=0.5)
     norm_weight = 1.0 + _randn(gen, d, scale=0.1)
     inv_freq = inv_freq_table()
-    kv_state = _randn(gen, N_SLOTS + 1, c * ratio, c * d)
-    score_state = _randn(gen, N_SLOTS + 1, c * ratio, c * d)
+    if overlap:
+        kv_state = _randn(gen, N_SLOTS + 1, c * ratio, c * d)
+        score_state = _randn(gen, N_SLOTS + 1, c * ratio, c * d)
+    else:
+        kv_state, score_state = online_state(gen, N_SLOTS + 1, d)
     entry_cache = cache_rows(gen, (n_blocks + 1, BLOCK_TOKENS // ratio), d, ROPE_DIM, quant, dtype)
     return _to(device, kv, score, ape, norm_weight, inv_freq, kv_state, score_state, entry_cache, req_slot,
                positions, start_pos, end_pos, block_table, ratio, overlap, quant, EPS, dtype)

@@ -18,12 +18,16 @@ KINDS = list(COMPRESSORS)  # csa (overlap, m=4), hca (no overlap, m=16), indexer
 FORMATS = [("csa", QUANT_FP8), ("hca", QUANT_FP8), ("indexer", QUANT_FP4), ("csa", QUANT_FP8_SIM),
            ("indexer", QUANT_FP4_SIM)]
 
-# Tolerances for entries computed on CUDA vs the CPU reference (state rows are data movement: exact).
-# fp32: pooling within 1e-6 relative (issue 2's table; atol relative to the entry scale for cancellations
-# in RoPE). bf16: a 1e-6 difference may flip the bf16 rounding of the pooled row before the norm and of the
-# result after it: two bf16 ulps (2^-7). Quantised formats are compared after dequantisation within one
-# step of the format at the row's scale (a rounding flip): e4m3 2^-3 of the row amax, e2m1 2/3 of it.
+# Tolerances for states and entries computed on CUDA vs the CPU reference. Overlap state rows are data movement:
+# exact; the HCA online state (M, Z, A) within STATE_RTOL (fp32 sums in another order; atol relative to the
+# tensor's scale). Entries, fp32: pooling within 1e-6 relative with overlap (issue 2's table), HCA_ENTRY_RTOL for
+# HCA (its pooling merges the online state in another order); atol relative to the entry scale for cancellations
+# in RoPE. bf16: a 1e-6 difference may flip the bf16 rounding of the pooled row before the norm and of the result
+# after it: two bf16 ulps (2^-7). Quantised formats are compared after dequantisation within one step of the
+# format at the row's scale (a rounding flip): e4m3 2^-3 of the row amax, e2m1 2/3 of it.
 ENTRY_RTOL = {torch.float32: 1e-6, torch.bfloat16: 2**-7}
+HCA_ENTRY_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
+STATE_RTOL = 1e-5
 QUANT_STEP = {QUANT_FP8: 2**-3, QUANT_FP8_SIM: 2**-3, QUANT_FP4: 2 / 3, QUANT_FP4_SIM: 2 / 3}
 
 
@@ -51,14 +55,38 @@ def rope_loop(x, pos, inv_freq):
     return out
 
 
-def compress_tokens(rows, ratio, overlap, norm_weight, inv_freq, eps, dtype, open_rows=(), prev=None):
+def online_merge(state, K, S):
+    """(M, Z, A) [d] of the rows K, S [k, d] (kv, score incl. ape) merged with `state` (M, Z, A) or None.
+
+    M = max(M, max_j S_j), Z = Z e^(M - Mx) + sum_j e^(S_j - Mx), A = A e^(M - Mx) + sum_j e^(S_j - Mx) K_j;
+    channels of the state with Z == 0 are empty and contribute nothing.
+    """
+    mx = S.max(0).values
+    weight = torch.zeros_like(mx)
+    if state is not None:
+        has = state[1] > 0
+        mx = torch.where(has, torch.maximum(mx, state[0]), mx)
+        weight = torch.where(has, torch.exp(state[0] - mx), 0.0)
+    e = torch.exp(S - mx)
+    z = e.sum(0)
+    acc = (e * K).sum(0)
+    if state is not None:
+        z = z + weight * torch.where(has, state[1], 0.0)
+        acc = acc + weight * torch.where(has, state[2], 0.0)
+    return mx, z, acc
+
+
+def compress_tokens(rows, ratio, overlap, norm_weight, inv_freq, eps, dtype, open_rows=(), prev=None, state=None):
     """Spec §6.4 for one request: rows = [(position, kv [c*d], score incl. ape [c*d])] in position order.
 
-    open_rows: (kv, score) of the open window before the first row; prev: (kv [m, c*d], score) of the last
-    closed window (overlap only) or None. Returns ({w: entry [d] in dtype}, open_rows, prev) after the rows.
+    Overlap: open_rows = (kv, score) of the open window before the first row; prev: (kv [m, c*d], score) of the
+    last closed window or None. Returns ({w: entry [d] in dtype}, open_rows, prev) after the rows.
+    No overlap: state = (M, Z, A) [d] of the open window's rows before the first row (online softmax), or None
+    when the window begins at the first row; a closing window pools A / Z of its rows merged with that state.
+    Returns ({w: entry}, (M, Z, A) of the open window after the rows (zeros when the last row closes), None).
     """
-    m, c = ratio, 2 if overlap else 1
-    d = rows[0][1].shape[0] // c if rows else 0
+    m, d = ratio, norm_weight.shape[0]
+    n_before = rows[0][0] % m if not overlap and rows and state is not None else 0  # rows [ws, s) in the state
     open_rows, entries = list(open_rows), {}
     for p, a, s in rows:
         open_rows.append((a, s))
@@ -67,37 +95,63 @@ def compress_tokens(rows, ratio, overlap, norm_weight, inv_freq, eps, dtype, ope
         w = (p + 1) // m - 1
         K = torch.stack([a for a, _ in open_rows])
         S = torch.stack([s for _, s in open_rows])
-        assert K.shape[0] == m
+        assert K.shape[0] + n_before == m
         if overlap:
             slots_k, slots_s = K[:, d:], S[:, d:]       # B halves of window w
             if prev is not None:                        # A halves of window w - 1
                 slots_k = torch.cat((prev[0][:, :d], slots_k))
                 slots_s = torch.cat((prev[1][:, :d], slots_s))
             prev = (K, S)
+            pooled = (torch.softmax(slots_s, dim=0) * slots_k).sum(0).to(dtype)  # softmax per channel, over slots
         else:
-            slots_k, slots_s = K, S
-        pooled = (torch.softmax(slots_s, dim=0) * slots_k).sum(0).to(dtype)  # softmax per channel, over slots
+            _, z, acc = online_merge(state, K, S)       # the window's rows before the call live in the state
+            pooled = (acc / z).to(dtype)
+            state, n_before = None, 0
         x = pooled.float()
         normed = (norm_weight * (x / torch.sqrt((x * x).mean() + eps))).to(dtype)
         entries[w] = rope_loop(normed, w * m, inv_freq).to(dtype)
         open_rows = []
-    return entries, open_rows, prev
+    if overlap:
+        return entries, open_rows, prev
+    if not open_rows:
+        return entries, tuple(torch.zeros(d) for _ in range(3)), None
+    K = torch.stack([a for a, _ in open_rows])
+    S = torch.stack([s for _, s in open_rows])
+    return entries, online_merge(state, K, S), None
 
 
 def compressor_loop(kv, score, ape, norm_weight, inv_freq, kv_state, score_state, entry_cache, req_slot, positions,
                     start_pos, end_pos, block_table, ratio, overlap, quant, eps, dtype):
-    """Per request: read its state (documented layout), run spec §6.4, return entries and the state after."""
-    m, c = ratio, 2 if overlap else 1
+    """Per request: read its state (documented layout), run spec §6.4, return entries and the state after.
+
+    No overlap: the online state (M, Z, A) is read only when the open window began before the call (s % m > 0).
+    """
+    m = ratio
     out = {}
     for r in sorted({int(x) for x in req_slot} - {PAD_SLOT}):
         toks = [t for t in range(kv.shape[0]) if int(req_slot[t]) == r]
         s = int(start_pos[toks[0]])
-        open_rows = [(kv_state[r, (c - 1) * m + q % m], score_state[r, (c - 1) * m + q % m])
-                     for q in range(s // m * m, s)]
-        prev = (kv_state[r, :m], score_state[r, :m]) if overlap and s >= m else None
         rows = [(int(positions[t]), kv[t], score[t] + ape[int(positions[t]) % m]) for t in toks]
-        out[r] = compress_tokens(rows, m, overlap, norm_weight, inv_freq, eps, dtype, open_rows, prev)
+        if overlap:
+            open_rows = [(kv_state[r, m + q % m], score_state[r, m + q % m]) for q in range(s // m * m, s)]
+            prev = (kv_state[r, :m], score_state[r, :m]) if s >= m else None
+            out[r] = compress_tokens(rows, m, overlap, norm_weight, inv_freq, eps, dtype, open_rows, prev)
+        else:
+            state = (score_state[r, 0], score_state[r, 1], kv_state[r, 0]) if s % m else None
+            out[r] = compress_tokens(rows, m, overlap, norm_weight, inv_freq, eps, dtype, state=state)
     return out
+
+
+def assert_online_state(kv_state, score_state, want, rtol=STATE_RTOL):
+    """HCA state of one slot (kv_state [1, d], score_state [2, d]) vs (M, Z, A) [d]: M exactly (a max of the same
+    fp32 values), Z and A within rtol (atol: rtol times the largest |Z| and |A|); empty channels (Z == 0) must be
+    exactly zero in all three."""
+    m_want, z_want, a_want = want
+    assert torch.equal(score_state[0], m_want), "running max M differs"
+    torch.testing.assert_close(score_state[1], z_want, rtol=rtol, atol=rtol * float(z_want.abs().max()))
+    torch.testing.assert_close(kv_state[0], a_want, rtol=rtol, atol=rtol * float(a_want.abs().max()))
+    empty = z_want == 0
+    assert (score_state[:, empty] == 0).all() and (kv_state[:, empty] == 0).all(), "an empty channel is not zero"
 
 
 def entry_location(block_table, per_block, r, w):
@@ -122,8 +176,10 @@ def assert_written_equal(got, expected):
 @pytest.mark.parametrize("kind,quant", [("csa", QUANT_NONE), ("hca", QUANT_NONE), ("indexer", QUANT_FP4),
                                         ("csa", QUANT_FP8)])
 def test_trace(device, kind, quant):
+    """The op traced whole (fullgraph) writes exactly what the eager op writes on the same device (the reference
+    on CPU, the kernel on CUDA: test_cuda_matches_reference compares those two)."""
     args = compressor_update_inputs(device, "prefill", kind, quant)
-    expected = ref_result(compressor_update_ref, *args)
+    expected = ref_result(compressor_update, *args)
     torch._dynamo.reset()
     torch.compile(compressor_update, fullgraph=True, backend="aot_eager")(*args)
     assert_written_equal((args[5], args[6], args[7]), expected)
@@ -145,14 +201,18 @@ def test_cuda_matches_reference(case, kind, quant, dtype):
     args = compressor_update_inputs("cuda", case, kind, quant, dtype)
     kv_state, score_state, entries = ref_result(compressor_update_ref, *to_device(args, "cpu"))
     compressor_update(*args)
-    torch.testing.assert_close(args[5][:-1].cpu(), kv_state[:-1], rtol=0, atol=0)
-    torch.testing.assert_close(args[6][:-1].cpu(), score_state[:-1], rtol=0, atol=0)
+    overlap = COMPRESSORS[kind][1]
+    for got, want in ((args[5][:-1].cpu(), kv_state[:-1]), (args[6][:-1].cpu(), score_state[:-1])):
+        if overlap:  # buffered rows: data movement
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        else:        # online state: fp32 sums in another order
+            torch.testing.assert_close(got, want, rtol=STATE_RTOL, atol=STATE_RTOL * float(want.abs().max()))
     width = COMPRESSORS[kind][2]
     got = dequantize_entries(args[7][:-1].cpu(), quant, width)
     want = dequantize_entries(entries[:-1], quant, width)
     row_scale = want.abs().amax(-1, keepdim=True)
     if quant == QUANT_NONE:
-        rtol = ENTRY_RTOL[dtype]
+        rtol = (ENTRY_RTOL if overlap else HCA_ENTRY_RTOL)[dtype]
         torch.testing.assert_close(got, want, rtol=rtol, atol=(rtol * row_scale).expand_as(want).max().item())
     else:
         assert ((got - want).abs() <= QUANT_STEP[quant] * row_scale + ENTRY_RTOL[dtype] * want.abs()).all()
@@ -189,15 +249,19 @@ def test_matches_loop(case, kind, dtype):
     keep = ~written[:n_blocks]
     assert torch.equal(a["entry_cache"][:n_blocks][keep], before["entry_cache"][:n_blocks][keep])
 
-    # state: the open window after the step, the last closed window's rows (overlap), other slots untouched
-    for r, (_, open_rows, prev) in expected.items():
+    # state: the open window after the step (HCA: its online state (M, Z, A), zeros after a close), the last
+    # closed window's rows (overlap), other slots untouched
+    for r, (_, open_state, prev) in expected.items():
+        if not a["overlap"]:
+            assert_online_state(a["kv_state"][r], a["score_state"][r], open_state)
+            continue
         e = int(a["end_pos"][a["req_slot"] == r][0])
         qs = list(range(e // m * m, e))
-        assert len(open_rows) == len(qs)
-        for q, (kv_row, sc_row) in zip(qs, open_rows):
+        assert len(open_state) == len(qs)
+        for q, (kv_row, sc_row) in zip(qs, open_state):
             assert torch.equal(a["kv_state"][r, (c - 1) * m + q % m], kv_row)
             assert torch.equal(a["score_state"][r, (c - 1) * m + q % m], sc_row)
-        if a["overlap"] and prev is not None:
+        if prev is not None:
             assert torch.equal(a["kv_state"][r, :m], prev[0])
             assert torch.equal(a["score_state"][r, :m], prev[1])
     idle = [r for r in range(a["kv_state"].shape[0] - 1) if r not in expected]
@@ -205,10 +269,11 @@ def test_matches_loop(case, kind, dtype):
         assert torch.equal(a[name][idle], before[name][idle])
 
 
-def test_nothing_written_without_a_close():
-    # decode tokens at positions 21 and 5 (slots 2, 0) close no CSA window; one PAD token
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_nothing_written_without_a_close(kind):
+    # decode tokens at positions 21 and 5 (slots 2, 0) close no CSA or HCA window; one PAD token
     segs = (Seg(2, 21, 1), Seg(0, 5, 1))
-    args = compressor_update_inputs("cpu", kind="csa", segs=segs, n_pad=1, dtype=torch.float32)
+    args = compressor_update_inputs("cpu", kind=kind, segs=segs, n_pad=1, dtype=torch.float32)
     entry_cache = args[7]
     before = entry_cache.clone()
     compressor_update(*args)
@@ -251,7 +316,8 @@ CHUNKINGS = [[37], [1] * 37, [3, 13, 1, 1, 19], [16, 16, 5]]
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 @pytest.mark.parametrize("chunks", CHUNKINGS, ids=lambda c: "-".join(map(str, c[:5])))
 def test_chunked_steps_match_one_pass(kind, chunks):
-    """Steps of any chunking (state handed over between them) emit the entries of spec §6.4 from scratch."""
+    """Steps of any chunking (state handed over between them) emit the entries of spec §6.4 from scratch and
+    leave the state of one pass over all tokens (overlap rows exactly; HCA: M exactly, Z and A within 1e-5)."""
     ratio, overlap, d = COMPRESSORS[kind]
     c = 2 if overlap else 1
     n = sum(chunks)
@@ -273,12 +339,58 @@ def test_chunked_steps_match_one_pass(kind, chunks):
                           start_pos, end_pos, block_table, ratio, overlap, QUANT_NONE, 1e-6, torch.float32)
         start += k
     rows = [(p, kv_all[p], sc_all[p] + ape[p % ratio]) for p in range(n)]
-    entries, _, _ = compress_tokens(rows, ratio, overlap, norm_weight, inv_freq, 1e-6, torch.float32)
+    entries, open_state, prev = compress_tokens(rows, ratio, overlap, norm_weight, inv_freq, 1e-6, torch.float32)
     assert sorted(entries) == list(range(n // ratio))
     per_block = entry_cache.shape[1]
     for w, entry in entries.items():
         blk, off = entry_location(block_table, per_block, slot, w)
         torch.testing.assert_close(entry_cache[blk, off], entry, rtol=1e-5, atol=1e-5)
+    if overlap:
+        open_rows = [ratio + q % ratio for q in range(n // ratio * ratio, n)]
+        assert torch.equal(kv_state[slot, open_rows], torch.stack([k for k, _ in open_state]))
+        assert torch.equal(score_state[slot, open_rows], torch.stack([s for _, s in open_state]))
+        assert torch.equal(kv_state[slot, :ratio], prev[0])
+        assert torch.equal(score_state[slot, :ratio], prev[1])
+    else:
+        assert n % ratio and (open_state[1] > 0).all()  # the last window stays open: a non-empty state
+        assert_online_state(kv_state[slot], score_state[slot], open_state)
+
+
+@pytest.mark.parametrize("k", [1, 7, 15])
+def test_hca_state_is_online_softmax(k):
+    """The HCA state layout: a step from 0 to k leaves (M, Z, A) of rows [0, k) at score_state[r, 0], [r, 1] and
+    kv_state[r, 0]; a hand-written state of those rows, continued by rows [k, m), closes the entry of softmax
+    pooling over all m rows (spec §6.4). A state whose window began at the call's start is ignored."""
+    ratio, overlap, d = COMPRESSORS["hca"]
+    slot = 1
+    args = compressor_update_inputs("cpu", kind="hca", segs=(Seg(slot, 0, ratio),), dtype=torch.float32)
+    a = _unpack(args)
+    sc = a["score"] + a["ape"]
+    mx = sc[:k].max(0).values
+    z = torch.exp(sc[:k] - mx).sum(0)
+    acc = (torch.exp(sc[:k] - mx) * a["kv"][:k]).sum(0)
+    pooled = (torch.softmax(sc, dim=0) * a["kv"]).sum(0)
+    normed = a["norm_weight"] * pooled * torch.rsqrt(pooled.square().mean() + 1e-6)
+    want = rope_loop(normed, 0, a["inv_freq"])
+    blk, off = entry_location(a["block_table"], a["entry_cache"].shape[1], slot, 0)
+    meta = lambda s, e: step_meta((Seg(slot, s, e - s),), 0)  # noqa: E731
+
+    # rows [0, k) from a fresh (here: stale, must be ignored) state leave (M, Z, A) of those rows
+    a["kv_state"][slot].fill_(1e3)
+    a["score_state"][slot].fill_(1e3)
+    compressor_update(a["kv"][:k], a["score"][:k], a["ape"], a["norm_weight"], a["inv_freq"], a["kv_state"],
+                      a["score_state"], a["entry_cache"], *meta(0, k), a["block_table"], ratio, overlap, QUANT_NONE,
+                      1e-6, torch.float32)
+    assert_online_state(a["kv_state"][slot], a["score_state"][slot], (mx, z, acc))
+
+    # a hand-written state of rows [0, k) continued by rows [k, m): the entry of all m rows, then an empty state
+    a["score_state"][slot] = torch.stack((mx, z))
+    a["kv_state"][slot, 0] = acc
+    compressor_update(a["kv"][k:], a["score"][k:], a["ape"], a["norm_weight"], a["inv_freq"], a["kv_state"],
+                      a["score_state"], a["entry_cache"], *meta(k, ratio), a["block_table"], ratio, overlap,
+                      QUANT_NONE, 1e-6, torch.float32)
+    torch.testing.assert_close(a["entry_cache"][blk, off], want, rtol=1e-5, atol=1e-5)
+    assert (a["kv_state"][slot] == 0).all() and (a["score_state"][slot] == 0).all()
 
 
 def test_first_csa_entry_has_no_previous_window():
