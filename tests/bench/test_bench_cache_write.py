@@ -2,8 +2,9 @@
 
 Each benchmark captures REPEATS steps in one CUDA graph; the time per step is the replay time / REPEATS.
   * prefill: one 8,192-token chunk (one request, starting mid-window) through the three compressors of a
-    CSA + HCA layer pair; achieved bandwidth = the bytes the step must move (kv/score rows read as fp32, state rows
-    read and written, entries written) / time, against a device-to-device copy measured in the same run;
+    CSA + HCA layer pair; achieved bandwidth = the bytes the step must move (kv/score rows read as fp32; state
+    read and written: CSA the buffered rows, HCA its online softmax state (M, Z, A: 3 d fp32) once a request;
+    entries written) / time, against a device-to-device copy measured in the same run;
   * decode: batch 64 (64 requests at seeded random positions) through the same three compressors (target:
     <= 10 us for the three together); decode_close: the worst case, every request closes a CSA and an HCA window;
   * swa: the sliding-ring write of the same two steps.
@@ -11,8 +12,9 @@ Run: python -m pytest tests/bench/test_bench_cache_write.py --benchmark-only -s
 The decode modes also time the three through the opt-in small-call kernel (DSV4RT_COMPRESSOR_SMALL=1), against the
 default general kernel, and print the per-compressor breakdown.
 With DSV4RT_BENCH_SWEEP=1, test_bench_compressor_sweep also times each compressor alone under a list of forced
-launch configurations (csrc/compressor.cu pick_small and pick_config, through its DSV4RT_COMPRESSOR_* environment
-variables) at decode and prints one table: the numbers that pick the defaults.
+launch configurations (csrc/compressor.cu pick_small, pick_config and pick_online, through its DSV4RT_COMPRESSOR_*
+environment variables) at prefill (cycling input sets, so that rows come from memory, not L2) and decode, and the
+three together under a few per-compressor combinations; one table: the numbers that pick the defaults.
 """
 from __future__ import annotations
 
@@ -80,25 +82,39 @@ def _compressor_args(name: str, meta: tuple[torch.Tensor, ...], fmt: str, g: tor
     args = (torch.randn(n_tok, cw, generator=g).to(dev), torch.randn(n_tok, cw, generator=g).to(dev),
             torch.randn(m, cw, generator=g).to(dev), (1 + 0.1 * torch.randn(d, generator=g)).to(dev),
             (1.0 / 160000.0 ** (torch.arange(0, ROPE_DIM, 2, dtype=torch.float32) / ROPE_DIM)).to(dev),
-            torch.randn(n_slots + 1, c * m, cw, generator=g).to(dev),
-            torch.randn(n_slots + 1, c * m, cw, generator=g).to(dev),
+            *(_state(n_slots, m, overlap, cw, g)),
             torch.zeros(n_blocks + 1, per_block, row, dtype=entry_dtype, device=dev), slot.to(dev), pos.to(dev),
             start.to(dev), end.to(dev), block_table.to(dev), m, overlap, quant, 1e-6, torch.bfloat16)
 
-    # bytes the step must move: kv + score rows (fp32), state rows read (open rows before s, overlap rows) and
-    # written (open rows after the step, overlap rows), closed entries
+    # bytes the step must move: kv + score rows (fp32), state read and written, closed entries. Overlap: rows of
+    # kv + score state (2 cw fp32 each) read (open rows before s, overlap rows) and written (open rows after the
+    # step, overlap rows). HCA: the online state (M, Z, A: 3 d fp32) read once when the request's window began
+    # before s, written once (the open window's state, or zeros after a close)
     closes = state_read = state_written = 0
     for _, s, e in {(int(r), int(a), int(b)) for r, a, b in zip(slot, start, end)}:  # one per request
         open_start, open_end = s // m * m, e // m * m
         n_close = (open_end - open_start) // m
         closes += n_close
-        if n_close:
-            state_read += (s - open_start) + (m if overlap else 0)
-            state_written += (e - open_end) + (m if overlap else 0)
+        if not overlap:
+            state_read += 3 * d * 4 if s > open_start else 0
+            state_written += 3 * d * 4
+        elif n_close:
+            state_read += 2 * 4 * cw * ((s - open_start) + m)
+            state_written += 2 * 4 * cw * ((e - open_end) + m)
         else:
-            state_written += e - s
-    nbytes = 2 * 4 * n_tok * cw + 2 * 4 * cw * (state_read + state_written) + closes * entry_bytes
+            state_written += 2 * 4 * cw * (e - s)
+    nbytes = 2 * 4 * n_tok * cw + state_read + state_written + closes * entry_bytes
     return args, {"closes": closes, "bytes": nbytes}
+
+
+def _state(n_slots: int, m: int, overlap: bool, cw: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv_state, score_state) on the device: overlap random rows [S+1, 2m, cw] each; HCA a valid online softmax
+    state, kv_state [S+1, 1, d] (A ~ N(0, 1)) and score_state [S+1, 2, d] (M ~ N(0, 1), Z in [1, 2))."""
+    if overlap:
+        return (torch.randn(n_slots + 1, 2 * m, cw, generator=g).to("cuda"),
+                torch.randn(n_slots + 1, 2 * m, cw, generator=g).to("cuda"))
+    mx, z = torch.randn(n_slots + 1, cw, generator=g), 1 + torch.rand(n_slots + 1, cw, generator=g)
+    return (torch.randn(n_slots + 1, 1, cw, generator=g).to("cuda"), torch.stack((mx, z), dim=1).to("cuda"))
 
 
 def _swa_args(mode: str, fmt: str, g: torch.Generator) -> tuple[tuple, dict]:
@@ -169,14 +185,25 @@ def test_bench_swa_cache_write(benchmark, copy_bandwidth, mode, fmt):
     _report(benchmark, graph, REPEATS[mode], meta["bytes"], copy_bandwidth, {"mode": mode, "kv_dtype": fmt})
 
 
-# (mode, compressor) -> forced configurations "K,G,chunk,pipe,small" (empty: the launcher's default, the general
-# kernel; small=1: the opt-in small-call kernel). Large calls (prefill) are timed by test_bench_compressor_update alone.
+# (mode, compressor) -> forced configurations "K,G,chunk,pipe,small" (empty: the launcher's default: for the CSA
+# compressors the general kernel, small=1 the opt-in small-call kernel; HCA always runs the online-state kernel,
+# which takes K (cluster) and chunk only).
 SWEEP = {
-    ("decode", "csa_main"): [",,,,", ",,,,1", ",2,1,,", ",,2,,1", ",2,1,,1", "2,,1,,1", "4,,1,,1"],
-    ("decode", "csa_indexer"): [",,,,", ",,,,1", ",2,1,,", ",,2,,1", ",2,1,,1"],
-    ("decode", "hca"): [",,,,", ",,,,1", "8,16,1,,1", "8,16,2,,1", "8,16,8,,1", "8,8,4,,1", "4,8,4,,1", "4,8,1,,1"],
+    ("prefill", "csa_main"): [",,,,", ",1,,,", ",4,,,", ",,4,,", ",,8,,", ",,32,,", ",,16,0,", ",1,4,,", ",1,8,,",
+                              "2,,4,,", "4,,4,,", "2,1,8,,", ",,1,,1", ",,4,,1"],
+    ("prefill", "csa_indexer"): [",,,,", ",1,,,", ",4,,,", ",,8,,", ",,16,,", ",,32,,", ",1,8,,", ",1,16,,",
+                                 ",,8,0,", ",,1,,1", ",,4,,1"],
+    ("prefill", "hca"): [",,,,", "1,,128,,", "2,,128,,", "4,,128,,", "8,,64,,", "8,,32,,"],
+    ("decode", "csa_main"): [",,,,", ",,,,1", ",2,1,,", ",,2,,1", "2,,1,,1", "2,,1,,", "4,,1,,"],
+    ("decode", "csa_indexer"): [",,,,", ",,,,1", ",2,1,,", ",,2,,1", ",1,1,,"],
+    ("decode", "hca"): [",,,,", ",,2,,", ",,4,,", "2,,1,,"],
     ("decode_close", "csa_main"): [",,,,", ",,,,1"],
-    ("decode_close", "hca"): [",,,,", ",,,,1", "8,16,1,,1", "8,16,2,,1", "8,8,1,,1", "4,8,1,,1"],
+    ("decode_close", "hca"): [",,,,", "2,,1,,"],
+}
+# the three together under per-compressor configurations (csa_main, csa_indexer, hca), as above
+COMBOS = {
+    "prefill": [(",,,,", ",,,,", ",,,,")],
+    "decode": [(",,,,", ",,,,", ",,,,"), (",,,,1", ",,,,1", ",,,,")],
 }
 _KNOBS = ("CLUSTER", "GROUPS", "CHUNK", "PIPE", "SMALL")
 
@@ -198,42 +225,54 @@ def _with_env(env: dict, fn):
                 os.environ[k] = v
 
 
+def _env_of(cfg: str) -> dict:
+    return {f"DSV4RT_COMPRESSOR_{k}": v for k, v in zip(_KNOBS, cfg.split(","))}
+
+
+def _sweep_sets(mode: str, fmt: str = "fp8"):
+    """Input sets of the three compressors for one step; prefill: enough sets that cycling through them reads
+    from memory, not L2 (about 100 MB a compressor)."""
+    g = torch.Generator().manual_seed(0)
+    step = _step_meta(mode, g)
+    sets, nbytes = {}, 0
+    for name in COMPRESSORS:
+        args, meta = _compressor_args(name, step, fmt, g)
+        n = max(1, -(-100_000_000 // meta["bytes"])) if mode == "prefill" else 1
+        sets[name] = [args] + [_compressor_args(name, step, fmt, g)[0] for _ in range(n - 1)]
+        nbytes += meta["bytes"]
+    return sets, nbytes
+
+
+def _time_env(calls, repeats: int) -> float:
+    """us a step of calls [(args_sets, env)], each call under its env (the launcher reads it at capture), cycling
+    through the input sets."""
+    def step(i):
+        for sets, env in calls:
+            _with_env(env, lambda: compressor_update(*sets[i % len(sets)]))
+    graph = capture(step, repeats)
+    return median_seconds(graph.replay, ROUNDS) / repeats * 1e6
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not os.environ.get("DSV4RT_BENCH_SWEEP"), reason="set DSV4RT_BENCH_SWEEP=1")
 def test_bench_compressor_sweep(benchmark, copy_bandwidth):
     rows = []
-    for mode in ("decode", "decode_close"):
-        g = torch.Generator().manual_seed(0)
-        step = _step_meta(mode, g)
+    for mode in ("prefill", "decode", "decode_close"):
+        sets, nbytes = _sweep_sets(mode)
         for name in COMPRESSORS:
-            args, meta = _compressor_args(name, step, "fp8", g)
             for cfg in SWEEP.get((mode, name), []):
-                env = {f"DSV4RT_COMPRESSOR_{k}": v for k, v in zip(_KNOBS, cfg.split(","))}
-                graph = _with_env(env, lambda: _capture([(compressor_update, args)], REPEATS[mode]))
-                us = median_seconds(graph.replay, ROUNDS) / REPEATS[mode] * 1e6
-                bw = meta["bytes"] / (us * 1e-6)
+                us = _time_env([(sets[name], _env_of(cfg))], REPEATS[mode])
                 label = " ".join(f"{k}={v or '-'}" for k, v in zip(("K", "G", "chunk", "pipe", "small"),
                                                                      cfg.split(",")))
-                rows.append((mode, name, label, us, bw))
-        # the three together, with and without programmatic dependent launch
-        calls = []
-        g = torch.Generator().manual_seed(0)
-        step = _step_meta(mode, g)
-        nbytes = 0
-        for name in COMPRESSORS:
-            args, meta = _compressor_args(name, step, "fp8", g)
-            calls.append((compressor_update, args))
-            nbytes += meta["bytes"]
-        for pdl in ("1", "0"):
-            for small in ("", "1"):
-                env = {"DSV4RT_COMPRESSOR_PDL": pdl, "DSV4RT_COMPRESSOR_SMALL": small}
-                graph = _with_env(env, lambda: _capture(calls, REPEATS[mode]))
-                us = median_seconds(graph.replay, ROUNDS) / REPEATS[mode] * 1e6
-                rows.append((mode, "all three", f"pdl={pdl} small={small or '-'}", us, nbytes / (us * 1e-6)))
+                rows.append((mode, name, label, us, None))
+        for combo in COMBOS.get(mode, []):
+            us = _time_env([(sets[n], _env_of(c)) for n, c in zip(COMPRESSORS, combo)], REPEATS[mode])
+            rows.append((mode, "all three", " | ".join(combo), us, nbytes / (us * 1e-6)))
     print(f"\ncompressor sweep on {torch.cuda.get_device_name()}, kv_dtype fp8, copy {copy_bandwidth / 1e9:.0f} GB/s")
-    print(f"{'mode':<13} {'compressor':<12} {'config':<30} {'us':>8} {'GB/s':>7} {'of copy':>7}")
+    print(f"{'mode':<13} {'compressor':<12} {'config':<36} {'us':>8} {'of copy':>7}")
     for mode, name, cfg, us, bw in rows:
-        print(f"{mode:<13} {name:<12} {cfg:<30} {us:8.2f} {bw / 1e9:7.0f} {bw / copy_bandwidth:7.0%}")
+        frac = f"{bw / copy_bandwidth:7.0%}" if bw else ""
+        print(f"{mode:<13} {name:<12} {cfg:<36} {us:8.2f} {frac}")
     benchmark.extra_info.update(device=torch.cuda.get_device_name(),
                                 sweep=[dict(mode=r[0], compressor=r[1], config=r[2], us=r[3]) for r in rows])
     benchmark.pedantic(lambda: torch.cuda.synchronize(), rounds=1)
