@@ -176,13 +176,33 @@ __device__ __forceinline__ RowRef row_ref(const CompressorArgs& a, const Tok& tk
   return {(static_cast<int64_t>(tk.r) * a.c * a.ratio + srow) * cw, false};
 }
 
-// Columns [col, col + 4) of that row: kv, and score (+ ape).
-__device__ __forceinline__ void load_pair(const CompressorArgs& a, const RowRef& rr, int qm, int col, float4& v,
-                                          float4& s) {
+// Columns [col, col + 4) of that row: kv, and score (+ ape), in two steps: issue_pair loads (kv, score and, for
+// this call's rows, the ape row), done_pair adds the ape term. A batch issues every load before its first add: an
+// add right behind its load (a use inside the load's branch) made the next rows' loads wait for it, one memory
+// latency a row.
+struct Pend {
+  float4 v, s, ap;
+  bool fresh;
+};
+
+__device__ __forceinline__ Pend no_pair() {
+  const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  return {z, z, z, false};
+}
+
+__device__ __forceinline__ Pend issue_pair(const CompressorArgs& a, const RowRef& rr, int qm, int col) {
   const int64_t cw = static_cast<int64_t>(a.c) * a.d;
-  v = ld4((rr.fresh ? a.kv : a.kv_state) + rr.off + col);
-  s = ld4((rr.fresh ? a.score : a.score_state) + rr.off + col);
-  if (rr.fresh) s = add4(s, ld4(a.ape + qm * cw + col));
+  Pend p;
+  p.fresh = rr.fresh;
+  p.v = ld4((rr.fresh ? a.kv : a.kv_state) + rr.off + col);
+  p.s = ld4((rr.fresh ? a.score : a.score_state) + rr.off + col);
+  p.ap = rr.fresh ? ld4(a.ape + qm * cw + col) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  return p;
+}
+
+__device__ __forceinline__ void done_pair(const Pend& p, float4& v, float4& s) {
+  v = p.v;
+  s = p.fresh ? add4(p.s, p.ap) : p.s;
 }
 
 // Slot j of the entry of window w (j < c*m) reads position (w - c + 1) * m + j: its position mod m and its column
@@ -253,17 +273,20 @@ __device__ void pool_regs(const CompressorArgs& a, const Ctx& x, const Tok& tk, 
   const int m = a.ratio, wbase = (w - a.c + 1) * m;
   for (int jb = x.g; jb < x.n_pool; jb += N * x.G) {
     float4 v[N], s[N];
+    Pend pd[N];
     bool ok[N];
 #pragma unroll
     for (int u = 0; u < N; ++u) {
       const int j = jb + u * x.G, q = wbase + j;
       ok[u] = j < x.n_pool && q >= 0;  // q < 0: window -1 of the first entry, weight 0
-      v[u] = s[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      pd[u] = no_pair();
       if (ok[u]) {
         const int qm = slot_qm(j, m);
-        load_pair(a, row_ref(a, tk, q, qm), qm, slot_half(a, j) + x.col, v[u], s[u]);
+        pd[u] = issue_pair(a, row_ref(a, tk, q, qm), qm, slot_half(a, j) + x.col);
       }
     }
+#pragma unroll
+    for (int u = 0; u < N; ++u) done_pair(pd[u], v[u], s[u]);
     reduce_batch(v, s, ok, ps);
   }
 }
@@ -317,11 +340,13 @@ __device__ __forceinline__ void pool_fused(const CompressorArgs& a, const Ctx& x
   const int64_t cw = 2 * static_cast<int64_t>(d);
   const int q0 = (w - 1) * m + x.g;
   const bool ok0 = q0 >= 0;  // window -1 of the first entry: weight 0
-  float4 v0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), s0 = v0, v1, s1, fk, fs;
-  if (ok0) load_pair(a, row_ref(a, tk, q0, x.g), x.g, x.col, v0, s0);
+  float4 v0, s0, v1, s1, fk, fs;
+  const Pend p0 = ok0 ? issue_pair(a, row_ref(a, tk, q0, x.g), x.g, x.col) : no_pair();
   const RowRef rr = row_ref(a, tk, w * m + x.g, x.g);
-  load_pair(a, rr, x.g, d + x.col, v1, s1);
-  load_pair(a, rr, x.g, x.col, fk, fs);
+  const Pend p1 = issue_pair(a, rr, x.g, d + x.col), pf = issue_pair(a, rr, x.g, x.col);
+  done_pair(p0, v0, s0);
+  done_pair(p1, v1, s1);
+  done_pair(pf, fk, fs);
   const int64_t row = (static_cast<int64_t>(tk.r) * 2 * m + x.g) * cw;
   st4(a.kv_state + row + x.col, fk);
   st4(a.kv_state + row + d + x.col, v1);
@@ -597,25 +622,28 @@ __device__ void copy_rows(const CompressorArgs& a, const Ctx& x, const Tok& tk, 
   const int64_t base = (static_cast<int64_t>(tk.r) * c * m + dst0) * cw;
   const int items = n_rows * ncol;
   for (int i0 = x.tid; i0 < items; i0 += kCopyUnroll * blockDim.x) {
-    float4 v[kCopyUnroll], s[kCopyUnroll];
+    Pend pd[kCopyUnroll];
     int64_t dst[kCopyUnroll];
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
       const int idx = i0 + u * static_cast<int>(blockDim.x);
       dst[u] = -1;
+      pd[u] = no_pair();
       if (idx < items) {
         const int j = idx / ncol, cc = idx - j * ncol;
         const int col = (cc / x.quads) * d + x.ch0 + 4 * (cc % x.quads);
         const int q = q0 + j, qm = mod_pos(q, m);
-        load_pair(a, row_ref(a, tk, q, qm), qm, col, v[u], s[u]);
+        pd[u] = issue_pair(a, row_ref(a, tk, q, qm), qm, col);
         dst[u] = base + j * cw + col;
       }
     }
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
       if (dst[u] >= 0) {
-        st4(a.kv_state + dst[u], v[u]);
-        st4(a.score_state + dst[u], s[u]);
+        float4 v, s;
+        done_pair(pd[u], v, s);
+        st4(a.kv_state + dst[u], v);
+        st4(a.score_state + dst[u], s);
       }
     }
   }
@@ -627,7 +655,7 @@ __device__ void write_rows(const CompressorArgs& a, const Ctx& x, const Shared& 
   const int64_t cw = static_cast<int64_t>(c) * d;
   const int items = n_row * ncol;
   for (int i0 = x.tid; i0 < items; i0 += kCopyUnroll * blockDim.x) {
-    float4 v[kCopyUnroll], s[kCopyUnroll];
+    float4 v[kCopyUnroll], s[kCopyUnroll], ap[kCopyUnroll];
     int64_t dst[kCopyUnroll];
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
@@ -640,15 +668,16 @@ __device__ void write_rows(const CompressorArgs& a, const Ctx& x, const Shared& 
         const int col = (cc / x.quads) * d + x.ch0 + 4 * (cc % x.quads);
         const int64_t src = (t0 + lt) * cw + col;
         v[u] = ld4(a.kv + src);
-        s[u] = add4(ld4(a.score + src), ld4(a.ape + pm * cw + col));
+        s[u] = ld4(a.score + src);
+        ap[u] = ld4(a.ape + pm * cw + col);
         dst[u] = (static_cast<int64_t>(r) * c * m + (c - 1) * m + pm) * cw + col;
       }
     }
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
+    for (int u = 0; u < kCopyUnroll; ++u) {  // the adds after every load went out (see issue_pair)
       if (dst[u] >= 0) {
         st4(a.kv_state + dst[u], v[u]);
-        st4(a.score_state + dst[u], s[u]);
+        st4(a.score_state + dst[u], add4(s[u], ap[u]));
       }
     }
   }
@@ -909,18 +938,19 @@ __device__ void pool_fused_all(const CompressorArgs& a, const Ctx& x, const Tok&
   const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   float4 v[kSmallSlots], s[kSmallSlots], fv[kHalf], fs[kHalf];
   bool ok[kSmallSlots];
+  // each row completed as it loads (12 pending rows would spill at this kernel's 128 registers)
 #pragma unroll
   for (int u = 0; u < kHalf; ++u) {
     const bool in = u < m;
     const int qa = (w - 1) * m + u;
     ok[u] = in && qa >= 0;  // window -1 of the first entry: weight 0
     ok[kHalf + u] = in;
-    v[u] = s[u] = v[kHalf + u] = s[kHalf + u] = fv[u] = fs[u] = zero;
-    if (ok[u]) load_pair(a, row_ref(a, tk, qa, u), u, x.col, v[u], s[u]);
+    done_pair(ok[u] ? issue_pair(a, row_ref(a, tk, qa, u), u, x.col) : no_pair(), v[u], s[u]);
+    v[kHalf + u] = s[kHalf + u] = fv[u] = fs[u] = zero;
     if (in) {
       const RowRef rr = row_ref(a, tk, w * m + u, u);
-      load_pair(a, rr, u, d + x.col, v[kHalf + u], s[kHalf + u]);
-      load_pair(a, rr, u, x.col, fv[u], fs[u]);
+      done_pair(issue_pair(a, rr, u, d + x.col), v[kHalf + u], s[kHalf + u]);
+      done_pair(issue_pair(a, rr, u, x.col), fv[u], fs[u]);
     }
   }
   const int64_t base = static_cast<int64_t>(tk.r) * 2 * m * cw;
@@ -1069,7 +1099,7 @@ __device__ void small_write_rows(const CompressorArgs& a, const Ctx& x, int64_t 
   const int64_t cw = static_cast<int64_t>(c) * d;
   const int items = __popc(rows) * ncol, nthr = static_cast<int>(blockDim.x);
   for (int i0 = 0; i0 < items; i0 += kCopyUnroll * nthr) {  // the same trip count in every lane (shuffles)
-    float4 v[kCopyUnroll], s[kCopyUnroll];
+    float4 v[kCopyUnroll], s[kCopyUnroll], ap[kCopyUnroll];
     int64_t dst[kCopyUnroll];
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
@@ -1085,15 +1115,16 @@ __device__ void small_write_rows(const CompressorArgs& a, const Ctx& x, int64_t 
         const int col = (cc / x.quads) * d + x.ch0 + 4 * (cc % x.quads);
         const int64_t src = (t0 + li) * cw + col;
         v[u] = ld4(a.kv + src);
-        s[u] = add4(ld4(a.score + src), ld4(a.ape + pm * cw + col));
+        s[u] = ld4(a.score + src);
+        ap[u] = ld4(a.ape + pm * cw + col);
         dst[u] = (static_cast<int64_t>(r) * c * m + (c - 1) * m + pm) * cw + col;
       }
     }
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
+    for (int u = 0; u < kCopyUnroll; ++u) {  // the adds after every load went out (see issue_pair)
       if (dst[u] >= 0) {
         st4(a.kv_state + dst[u], v[u]);
-        st4(a.score_state + dst[u], s[u]);
+        st4(a.score_state + dst[u], add4(s[u], ap[u]));
       }
     }
   }
@@ -1188,7 +1219,7 @@ __global__ void __launch_bounds__(kSmallMaxThreads, 2)
 // window's rows before s); a closing item writes its entry; the owner then writes the state: the merged window if
 // it does not close, else the request's new open window [e/m*m, e) pooled the same way (zeros when empty). Only
 // the owner reads or writes the state, so no other CTA orders against it.
-// Grid (shapes only): a cluster of R CTAs takes `chunk` consecutive tokens and runs their items one after
+// Grid (shapes only): a cluster of R CTAs (4 in long calls) takes `chunk` consecutive tokens and runs their items one after
 // another. CTA k of the cluster pools the k-th of R contiguous parts of an item's rows over the whole row (a thread:
 // 4 channels, kOnlineBatch rows loaded at once, exact softmax a batch, batches merged online); the partials go to
 // rank 0 through distributed shared memory, merged in rank order (deterministic); rank 0 post-processes the entry
@@ -1219,19 +1250,24 @@ __device__ __forceinline__ void online_rows(const CompressorArgs& a, int col, in
   const int per = (n + R - 1) / R, q0 = lo + rank * per, q1 = min(hi + 1, q0 + per);
   const int64_t d = a.d;
   for (int qb = q0; qb < q1; qb += kOnlineBatch) {
-    float4 v[kOnlineBatch], sc[kOnlineBatch];
+    float4 v[kOnlineBatch], sc[kOnlineBatch], ap[kOnlineBatch];
     bool ok[kOnlineBatch];
+    int qm = mod_pos(qb, a.ratio);
 #pragma unroll
-    for (int u = 0; u < kOnlineBatch; ++u) {
+    for (int u = 0; u < kOnlineBatch; ++u) {  // every load of the batch before the first add (see issue_pair)
       const int q = qb + u;
       ok[u] = q < q1;
-      v[u] = sc[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      v[u] = sc[u] = ap[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       if (ok[u]) {
         const int64_t row = (t + (q - p)) * d + col;
         v[u] = ld4(a.kv + row);
-        sc[u] = add4(ld4(a.score + row), ld4(a.ape + mod_pos(q, a.ratio) * d + col));
+        sc[u] = ld4(a.score + row);
+        ap[u] = ld4(a.ape + qm * d + col);
       }
+      qm = qm + 1 == a.ratio ? 0 : qm + 1;
     }
+#pragma unroll
+    for (int u = 0; u < kOnlineBatch; ++u) sc[u] = add4(sc[u], ap[u]);
     reduce_batch(v, sc, ok, ps);
   }
 }
@@ -1474,16 +1510,17 @@ Config pick_config(const CompressorArgs& a) {
   //   * small calls (decode: few tokens for the SMs): one load round an entry. G = m with overlap (two slots a
   //     thread: the owner copies its overlap rows inside the pooling, see pool_fused), else kBatch slots a thread;
   //     a CTA takes one token or a few (about half a wave of CTAs);
-  //   * large calls (prefill): up to 4 batches of kBatch slots a thread, at least 2 groups (small CTAs: several
-  //     an SM, whose entries' latency chains overlap), a few closing tokens a CTA.
+  //   * large calls (prefill): up to 4 batches of kBatch slots a thread, at least 2 groups below 128 quads (small
+  //     CTAs: several an SM, whose entries' latency chains overlap), a few closing tokens a CTA. CSA main (128
+  //     quads) takes one group: 36 against 46 us alone, 116 against 133 us for the three (H200, 8,192 tokens).
   const int g_max = kMaxThreads / quads;
   const bool small = a.n_tokens * cfg.cluster <= 8 * static_cast<int64_t>(num_sms());
   int g;
   if (small) {
     g = (a.c == 2 && a.ratio <= g_max) ? a.ratio : (n_pool + kBatch - 1) / kBatch;
-  } else {
+  } else {  // one group for whole 512-channel rows (CSA main: 128 threads, 8 slots a thread in two batches)
     g = (n_pool + 4 * kBatch - 1) / (4 * kBatch);
-    if (g < 2) g = n_pool < 2 ? n_pool : 2;
+    if (g < 2 && quads < 128) g = n_pool < 2 ? n_pool : 2;
   }
   const int g_env = env_int("DSV4RT_COMPRESSOR_GROUPS", 0);
   if (g_env > 0) g = g_env;
@@ -1542,7 +1579,7 @@ bool pick_small(const CompressorArgs& a, Config& cfg) {
   return true;
 }
 
-// The online kernel's configuration: a cluster of 8 CTAs (rows of an item split 8 ways) over chunks of about the
+// The online kernel's configuration: a cluster of 4 CTAs (rows of an item split 4 ways) over chunks of about the
 // tokens a request has in the call (its average, at most m: one window's closing token a chunk in a long prefill),
 // or a CTA a token when the call has about one token a request (decode). CLUSTER and CHUNK override.
 template <int QUANT>
@@ -1558,7 +1595,7 @@ Config pick_online(const CompressorArgs& a) {
   const int c_env = env_int("DSV4RT_COMPRESSOR_CHUNK", 0);
   if (c_env > 0) chunk = c_env;
   cfg.chunk = chunk < 1 ? 1 : (chunk > cfg.threads ? cfg.threads : chunk);
-  int cluster = cfg.chunk >= 16 ? 8 : 1;
+  int cluster = cfg.chunk >= 16 ? 4 : 1;  // H200, 8,192 tokens: R = 4 37 us, 2 34, 8 42, 1 52 alone
   const int k_env = env_int("DSV4RT_COMPRESSOR_CLUSTER", 0);
   if (k_env == 1 || k_env == 2 || k_env == 4 || k_env == 8) cluster = k_env;
   cfg.cluster = cluster;
@@ -1572,6 +1609,12 @@ cudaError_t launch_grid(Kernel kernel, const CompressorArgs& a, const Config& cf
   if (cfg.smem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cfg.smem));
+    if (err != cudaSuccess) return err;
+  }
+  // DSV4RT_COMPRESSOR_CARVEOUT=0..100: the preferred shared-memory carveout (percent), for comparisons
+  const int carveout = env_int("DSV4RT_COMPRESSOR_CARVEOUT", -1);
+  if (carveout >= 0 && carveout <= 100) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, carveout);
     if (err != cudaSuccess) return err;
   }
   const int64_t n_chunks = (a.n_tokens + cfg.chunk - 1) / cfg.chunk;

@@ -14,7 +14,8 @@ default general kernel, and print the per-compressor breakdown.
 With DSV4RT_BENCH_SWEEP=1, test_bench_compressor_sweep also times each compressor alone under a list of forced
 launch configurations (csrc/compressor.cu pick_small, pick_config and pick_online, through its DSV4RT_COMPRESSOR_*
 environment variables) at prefill (cycling input sets, so that rows come from memory, not L2) and decode, and the
-three together under a few per-compressor combinations; one table: the numbers that pick the defaults.
+three together under a few per-compressor combinations; one table: the numbers that pick the defaults
+(DSV4RT_BENCH_SWEEP_MODES=prefill,decode limits the modes, DSV4RT_BENCH_SWEEP_COMBOS_ONLY=1 to the combinations).
 """
 from __future__ import annotations
 
@@ -202,10 +203,13 @@ SWEEP = {
 }
 # the three together under per-compressor configurations (csa_main, csa_indexer, hca), as above
 COMBOS = {
-    "prefill": [(",,,,", ",,,,", ",,,,")],
-    "decode": [(",,,,", ",,,,", ",,,,"), (",,,,1", ",,,,1", ",,,,")],
+    "prefill": [(",,,,", ",,,,", ",,,,"), (",1,,,", ",,,,", "2,,128,,"), (",1,8,,", ",,8,,", "2,,128,,"),
+                (",1,,,", ",,,,", "4,,128,,"), (",1,,,", ",,,,", ",,,,"), (",,,,", ",,,,", "2,,128,,"),
+                (",1,,,,100", ",,,,,100", "2,,128,,,100"), (",,,,,100", ",,,,,100", ",,,,,100")],
+    "decode": [(",,,,", ",,,,", ",,,,"), ("4,,1,,", ",,,,", ",,,,"), (",,,,,100", ",,,,,100", ",,,,,100")],
 }
-_KNOBS = ("CLUSTER", "GROUPS", "CHUNK", "PIPE", "SMALL")
+# a sixth field: DSV4RT_COMPRESSOR_CARVEOUT (set once, it stays on the kernel for the process: those combos last)
+_KNOBS = ("CLUSTER", "GROUPS", "CHUNK", "PIPE", "SMALL", "CARVEOUT")
 
 
 def _with_env(env: dict, fn):
@@ -256,18 +260,27 @@ def _time_env(calls, repeats: int) -> float:
 @pytest.mark.cuda
 @pytest.mark.skipif(not os.environ.get("DSV4RT_BENCH_SWEEP"), reason="set DSV4RT_BENCH_SWEEP=1")
 def test_bench_compressor_sweep(benchmark, copy_bandwidth):
-    rows = []
-    for mode in ("prefill", "decode", "decode_close"):
+    rows, later = [], []
+    only = os.environ.get("DSV4RT_BENCH_SWEEP_MODES", "prefill,decode,decode_close").split(",")
+    for mode in only:
         sets, nbytes = _sweep_sets(mode)
         for name in COMPRESSORS:
+            if os.environ.get("DSV4RT_BENCH_SWEEP_COMBOS_ONLY"):  # only the three together
+                break
             for cfg in SWEEP.get((mode, name), []):
                 us = _time_env([(sets[name], _env_of(cfg))], REPEATS[mode])
                 label = " ".join(f"{k}={v or '-'}" for k, v in zip(("K", "G", "chunk", "pipe", "small"),
                                                                      cfg.split(",")))
                 rows.append((mode, name, label, us, None))
         for combo in COMBOS.get(mode, []):
+            if any(len(c.split(",")) > 5 for c in combo):  # a carveout stays set: after everything else
+                later.append((mode, sets, nbytes, combo))
+                continue
             us = _time_env([(sets[n], _env_of(c)) for n, c in zip(COMPRESSORS, combo)], REPEATS[mode])
             rows.append((mode, "all three", " | ".join(combo), us, nbytes / (us * 1e-6)))
+    for mode, sets, nbytes, combo in later:
+        us = _time_env([(sets[n], _env_of(c)) for n, c in zip(COMPRESSORS, combo)], REPEATS[mode])
+        rows.append((mode, "all three", " | ".join(combo), us, nbytes / (us * 1e-6)))
     print(f"\ncompressor sweep on {torch.cuda.get_device_name()}, kv_dtype fp8, copy {copy_bandwidth / 1e9:.0f} GB/s")
     print(f"{'mode':<13} {'compressor':<12} {'config':<36} {'us':>8} {'of copy':>7}")
     for mode, name, cfg, us, bw in rows:
