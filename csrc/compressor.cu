@@ -1,5 +1,9 @@
 // KV compressor family (ops/compressor.py): store a step's (kv, score + ape) rows and emit the entry of every
 // window that closes in the step. One launch per compressor per step, decode and prefill chunks alike.
+// Overlap compressors (CSA main and indexer: buffered state rows) run the general kernel (below) or, opt-in, the
+// small-call kernel; the no-overlap compressor (HCA: the open window as an online softmax state) runs
+// compressor_online_kernel ("no overlap" section). The first two are written for any c; since the online state,
+// the launcher sends them overlap calls only.
 //
 // Grid (from the shapes only): the tokens are cut into chunks of consecutive tokens; a cluster of K CTAs takes one
 // chunk, CTA k the channel slice [k*d/K, (k+1)*d/K) (of both halves with overlap). In a CTA:
@@ -1473,7 +1477,8 @@ struct Config {
   bool pdl;
 };
 
-// K: channel slices for windows of many slots (one HCA close reads 128 rows of state), as long as a slice keeps
+// K: channel slices for windows of many slots (c * m >= 32: none of the overlap compressors by default; HCA, which
+// took 8, has its own kernel now; DSV4RT_COMPRESSOR_CLUSTER forces it), as long as a slice keeps
 // whole FP8 blocks (FP4 rows need the whole row for the Hadamard transform) and fits a CTA of `max_threads`.
 template <int QUANT>
 int pick_cluster(const CompressorArgs& a, int max_threads) {
@@ -1546,7 +1551,8 @@ Config pick_config(const CompressorArgs& a) {
 // DSV4RT_COMPRESSOR_SMALL=1 sends every call whose shapes it takes (a channel slice in one CTA of at most
 // kSmallMaxThreads threads; fewer than 32 quads a slice only if they divide a warp) to it; unset or 0, every call
 // goes to the general kernel. The CLUSTER, GROUPS, CHUNK and PDL variables apply to it as to the general kernel.
-// Why not the default (H200, decode batch 64, tests/bench/test_bench_cache_write.py): alone, HCA takes 12.9 us here
+// Why not the default (H200, decode batch 64, tests/bench/test_bench_cache_write.py, when HCA still buffered its
+// rows and ran these kernels): alone, HCA took 12.9 us here
 // against 13.4 us in the general kernel (52 against 69 us when every token closes), the CSA windows 7.9 / 8.2 against
 // 6.8 / 6.0 us; but with HCA on this kernel the three compressors replayed together took 31.8 us against 28.6 us all
 // on the general kernel (75 against 87 us when every token closes), a cost of mixing the two kernels not yet
