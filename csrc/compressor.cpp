@@ -60,7 +60,8 @@ void compressor_update_cuda(const at::Tensor& kv, const at::Tensor& score, const
   } else {  // the online softmax state: A [S+1, 1, d], (M, Z) [S+1, 2, d]
     TORCH_CHECK(kv_state.dim() == 3 && kv_state.size(1) == 1 && kv_state.size(2) == d && score_state.dim() == 3 &&
                     score_state.size(0) == kv_state.size(0) && score_state.size(1) == 2 && score_state.size(2) == d,
-                "compressor_update: without overlap, kv_state must be [S+1, 1, d] and score_state [S+1, 2, d]");
+                "compressor_update: without overlap, the state is the online softmax (A; M, Z): kv_state must be "
+                "[S+1, 1, d] and score_state [S+1, 2, d]");
   }
   for (const at::Tensor* idx : {&req_slot, &positions, &start_pos, &end_pos}) {
     TORCH_CHECK(idx->scalar_type() == at::kInt && idx->is_contiguous() && idx->numel() == n_tok &&

@@ -32,28 +32,49 @@ torch.library.define(
 )
 
 
+def _check_args(kv, score, ape, norm_weight, inv_freq, kv_state, score_state, entry_cache, block_table, ratio,
+                overlap, quant, dtype) -> None:
+    """Shapes and dtypes of a call, with errors that name the argument (the fake and the reference both run it;
+    the CUDA binding checks the same)."""
+    c = 2 if overlap else 1
+    d = norm_weight.shape[0]
+
+    def check(ok, msg):
+        torch._check(ok, lambda: f"compressor_update: {msg}")
+
+    check(kv.dim() == 2 and kv.shape == score.shape and kv.shape[1] == c * d,
+          f"kv and score must be [T, {c * d}] (c*d), got {tuple(kv.shape)} and {tuple(score.shape)}")
+    check(kv.dtype == torch.float32 and score.dtype == torch.float32, "kv and score must be float32")
+    check(ape.dim() == 2 and ape.shape[0] == ratio and ape.shape[1] == c * d,
+          f"ape must be [{ratio}, {c * d}] (m, c*d), got {tuple(ape.shape)}")
+    if overlap:
+        check(kv_state.dim() == 3 and kv_state.shape[1] == 2 * ratio and kv_state.shape[2] == 2 * d
+              and kv_state.shape == score_state.shape,
+              f"with overlap, kv_state and score_state must be [S+1, {2 * ratio}, {2 * d}] (buffered rows), got "
+              f"{tuple(kv_state.shape)} and {tuple(score_state.shape)}")
+    else:
+        check(kv_state.dim() == 3 and kv_state.shape[1] == 1 and kv_state.shape[2] == d and score_state.dim() == 3
+              and score_state.shape[0] == kv_state.shape[0] and score_state.shape[1] == 2 and score_state.shape[2] == d,
+              f"without overlap, the state is the online softmax (A; M, Z): kv_state [S+1, 1, {d}] and score_state "
+              f"[S+1, 2, {d}], got {tuple(kv_state.shape)} and {tuple(score_state.shape)}")
+    check(kv_state.dtype == torch.float32 and score_state.dtype == torch.float32, "states must be float32")
+    check(block_table.dtype == torch.int32, "block_table must be int32")
+    if quant == QUANT_FP8:
+        want = fp8_row_bytes(d, 2 * inv_freq.shape[0])
+        check(entry_cache.dtype == torch.uint8 and entry_cache.shape[2] == want,
+              f"FP8 entry_cache rows must be uint8 of {want} bytes")
+    elif quant == QUANT_FP4:
+        check(entry_cache.dtype == torch.uint8 and entry_cache.shape[2] == fp4_row_bytes(d),
+              f"FP4 entry_cache rows must be uint8 of {fp4_row_bytes(d)} bytes")
+    else:  # stored as values (QUANT_NONE or a simulated format)
+        check(entry_cache.dtype == dtype and entry_cache.shape[2] == d, f"entry_cache rows must be {d} {dtype}")
+
+
 @torch.library.register_fake("dsv4rt::compressor_update")
 def _compressor_update_fake(kv, score, ape, norm_weight, inv_freq, kv_state, score_state, entry_cache, req_slot,
                             positions, start_pos, end_pos, block_table, ratio, overlap, quant, eps, dtype) -> None:
-    c = 2 if overlap else 1
-    d = norm_weight.shape[0]
-    torch._check(kv.shape == score.shape and kv.shape[1] == c * d)
-    torch._check(kv.dtype == torch.float32 and score.dtype == torch.float32)
-    torch._check(ape.shape[0] == ratio and ape.shape[1] == c * d)
-    if overlap:
-        torch._check(kv_state.shape[1] == c * ratio and kv_state.shape[2] == c * d)
-        torch._check(kv_state.shape == score_state.shape)
-    else:
-        torch._check(kv_state.shape[1] == 1 and kv_state.shape[2] == d)
-        torch._check(score_state.shape == (kv_state.shape[0], 2, d))
-    torch._check(kv_state.dtype == torch.float32 and score_state.dtype == torch.float32)
-    torch._check(block_table.dtype == torch.int32)
-    if quant == QUANT_FP8:
-        torch._check(entry_cache.dtype == torch.uint8 and entry_cache.shape[2] == fp8_row_bytes(d, 2 * inv_freq.shape[0]))
-    elif quant == QUANT_FP4:
-        torch._check(entry_cache.dtype == torch.uint8 and entry_cache.shape[2] == fp4_row_bytes(d))
-    else:  # stored as values (QUANT_NONE or a simulated format)
-        torch._check(entry_cache.dtype == dtype and entry_cache.shape[2] == d)
+    _check_args(kv, score, ape, norm_weight, inv_freq, kv_state, score_state, entry_cache, block_table, ratio, overlap,
+                quant, dtype)
 
 
 def _online_pool(kv: Tensor, sc: Tensor, kv_state: Tensor, score_state: Tensor, valid: Tensor, slot: Tensor,
@@ -82,6 +103,8 @@ def compressor_update_ref(kv: Tensor, score: Tensor, ape: Tensor, norm_weight: T
                           kv_state: Tensor, score_state: Tensor, entry_cache: Tensor, req_slot: Tensor,
                           positions: Tensor, start_pos: Tensor, end_pos: Tensor, block_table: Tensor, ratio: int,
                           overlap: bool, quant: int, eps: float, dtype: torch.dtype) -> None:
+    _check_args(kv, score, ape, norm_weight, inv_freq, kv_state, score_state, entry_cache, block_table, ratio, overlap,
+                quant, dtype)
     n_tok, cw = kv.shape
     m, c = ratio, (2 if overlap else 1)
     d = cw // c

@@ -280,6 +280,24 @@ def test_nothing_written_without_a_close(kind):
     assert torch.equal(entry_cache[:-1], before[:-1])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_hca_buffered_state_is_refused(device):
+    """An HCA state in the buffered-rows layout ([S+1, m, d], before the online softmax state) is refused with an
+    error that names the expected layout, and nothing is written."""
+    args = list(compressor_update_inputs(device, "mixed", "hca", QUANT_NONE, torch.float32))
+    d, m = args[3].shape[0], args[13]
+    args[5] = torch.zeros(args[5].shape[0], m, d, device=device)
+    args[6] = torch.zeros(args[6].shape[0], m, d, device=device)
+    before = [t.clone() for t in args[5:8]]
+    with pytest.raises(RuntimeError, match="online softmax"):
+        compressor_update(*args)
+    for t, b in zip(args[5:8], before):
+        torch.testing.assert_close(t, b, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(RuntimeError, match="online softmax"):  # traced: the fake refuses it too
+        torch._dynamo.reset()
+        torch.compile(compressor_update, fullgraph=True, backend="aot_eager")(*args)
+
+
 @pytest.mark.parametrize("kind,quant", FORMATS)
 def test_storage_formats(kind, quant):
     """Entries in a storage format equal the value entries stored in that format (bytes or fake-quant)."""
