@@ -716,38 +716,33 @@ __device__ void process_closer(const CompressorArgs& a, const Ctx& x, const Shar
   const bool second = owner && c == 2 && w0 + 1 <= w_last;
   const bool fused = owner && c == 2 && x.G == m && (second ? w0 + 1 == w_last : true);  // last entry is w_last
 
-  Pool ps;
-  ps.init();
-  Dest dst = entry_dest(a, x, tk, w);
-  Rot rt = rope_rot(a, x, cs, w);
-  if (pipe) cp_async_wait<kStages - 1>();  // this closing token's group has landed
-  if (x.pools) {
-    if (fused && !second) {
-      pool_fused(a, x, tk, w, ps);
-    } else if (pipe) {
-      pool_staged(a, x, sh, tk, w, k % kStages, ape, ps);
-    } else {
-      pool_regs<kBatch>(a, x, tk, w, ps);
-    }
-  }
-  if (pipe) {  // the stage is consumed: closing token k + kStages goes there
-    if (k + kStages < n_close) {
-      const Tok nt = chunk_token(a, sh, t0, chunk, sh.list[k + kStages]);
-      prefetch_entry(a, x, sh, nt, closed_window(a, nt), k % kStages);
-    } else {
-      cp_async_commit();
-    }
-  }
-  finish_entry<OutT, QUANT>(a, x, sh, cs, rt, dst, ps, round++);
-  if (second) {
+  // One loop body for the entries (w, then the owner's w0 + 1), not two copies: a CTA runs the owner's path once,
+  // from cold instruction caches, so its length in code (not in instructions executed) sets its time.
+  const int n_entries = second ? 2 : 1;
+#pragma unroll 1
+  for (int ei = 0; ei < n_entries; ++ei) {
+    const int we = w + ei;  // ei == 1: w0 + 1 (the owner's w == w0)
+    const bool last = ei == n_entries - 1;
+    Pool ps;
     ps.init();
-    dst = entry_dest(a, x, tk, w0 + 1);
-    rt = rope_rot(a, x, cs, w0 + 1);
+    const Dest dst = entry_dest(a, x, tk, we);
+    const Rot rt = rope_rot(a, x, cs, we);
+    if (ei == 0 && pipe) cp_async_wait<kStages - 1>();  // this closing token's group has landed
     if (x.pools) {
-      if (fused) {
-        pool_fused(a, x, tk, w0 + 1, ps);
+      if (fused && last) {
+        pool_fused(a, x, tk, we, ps);
+      } else if (ei == 0 && pipe) {
+        pool_staged(a, x, sh, tk, we, k % kStages, ape, ps);
       } else {
-        pool_regs<kBatch>(a, x, tk, w0 + 1, ps);
+        pool_regs<kBatch>(a, x, tk, we, ps);
+      }
+    }
+    if (ei == 0 && pipe) {  // the stage is consumed: closing token k + kStages goes there
+      if (k + kStages < n_close) {
+        const Tok nt = chunk_token(a, sh, t0, chunk, sh.list[k + kStages]);
+        prefetch_entry(a, x, sh, nt, closed_window(a, nt), k % kStages);
+      } else {
+        cp_async_commit();
       }
     }
     finish_entry<OutT, QUANT>(a, x, sh, cs, rt, dst, ps, round++);
@@ -759,11 +754,14 @@ __device__ void process_closer(const CompressorArgs& a, const Ctx& x, const Shar
   const int n_new = tk.e - open_end, n_read = tk.s - tk.open_start;
   const int n_over = n_new < n_read ? n_new : n_read;
   if ((c == 2 && !fused) || n_over > 0) __syncthreads();  // this CTA's reads of the pre-step state are done
-  if (c == 2 && !fused) {
-    copy_rows(a, x, tk, 0, w_last * m, m);
-    if (n_over > 0) __syncthreads();  // those copies read open rows that the copy below may overwrite
+  // the copies in one loop body (see above): (overlap) the last closed window's rows to overlap rows [0, m), then the
+  // new open rows over open rows [0, n_over) (after a barrier: the first copy reads open rows that it may overwrite)
+  const int first = (c == 2 && !fused) ? 0 : 1;
+#pragma unroll 1
+  for (int ci = first; ci < (n_over > 0 ? 2 : 1); ++ci) {
+    if (ci == 1 && first == 0) __syncthreads();
+    copy_rows(a, x, tk, ci == 0 ? 0 : (c - 1) * m, ci == 0 ? w_last * m : open_end, ci == 0 ? m : n_over);
   }
-  if (n_over > 0) copy_rows(a, x, tk, (c - 1) * m, open_end, n_over);
 }
 
 template <typename OutT, int QUANT>
@@ -1413,45 +1411,48 @@ __global__ void __launch_bounds__(kOnlineMaxThreads) compressor_online_kernel(co
       dst = entry_dest(a, x, tk, w);
       rt = rope_rot(a, x, cs, w);
     }
-    Pool ps;
-    ps.init();
-    if (x.post) online_rows(a, x.col, tk.t, tk.p, max(tk.s, ws), tk.p, rank, R, ps);
-    online_merge(sh, R, rank, ps);
-    if (with_state && rank == 0 && x.post) {
-#pragma unroll
-      for (int c4 = 0; c4 < 4; ++c4) {
-        if (comp(sz, c4) > 0.0f) merge_into(ps.mx[c4], ps.z[c4], ps.acc[c4], comp(sm, c4), comp(sz, c4), comp(sa, c4));
-      }
-    }
-    if (closes && rank == 0) {  // cast, sum of squares over the CTA (fixed order), store_entry
-      float val[4];
-      float ss = 0.0f;
-#pragma unroll
-      for (int c4 = 0; c4 < 4; ++c4) {
-        val[c4] = x.post ? round_to<OutT>(__fdiv_rn(ps.acc[c4], ps.z[c4])) : 0.0f;
-        ss = __fmaf_rn(val[c4], val[c4], ss);
-      }
-      ss = warp_sum(ss);
-      if (lane == 0 && warp < x.post_warps) sh.red[warp] = ss;
-      __syncthreads();
-      float tot = 0.0f;
-      for (int i = 0; i < x.post_warps; ++i) tot = __fadd_rn(tot, sh.red[i]);
-      store_entry<OutT, QUANT>(a, x, sh.had, cs, rt, dst, val, tot);
-      __syncthreads();  // sh.red and sh.had are reused by the next item
-    }
-    if (!owner) continue;
-    // --- the owner leaves the state: the merged window, or the new open window's rows, or an empty window
+    // Phase 0: the item's rows (with the state: the owner), then its entry when it closes the window; phase 1 (an
+    // owner that closes it): the state it leaves, the new open window's rows or an empty window. One loop body, not
+    // two copies of the row loop (see process_closer: the owner's path runs once, from cold instruction caches).
     const int open_end = floor_div(tk.e, m) * m;
-    if (closes) {
+    Pool ps;
+#pragma unroll 1
+    for (int ph = 0; ph < 2; ++ph) {
+      if (ph == 1 && !(owner && closes)) break;
       ps.init();
-      if (tk.e > open_end) {
-        if (x.post) online_rows(a, x.col, tk.t, tk.p, open_end, tk.e - 1, rank, R, ps);
-        online_merge(sh, R, rank, ps);
-      } else {
+      if (ph == 1 && tk.e <= open_end) {
 #pragma unroll
         for (int c4 = 0; c4 < 4; ++c4) ps.mx[c4] = 0.0f;  // empty: zeros
+        break;
+      }
+      if (x.post) online_rows(a, x.col, tk.t, tk.p, ph == 0 ? max(tk.s, ws) : open_end, ph == 0 ? tk.p : tk.e - 1,
+                              rank, R, ps);
+      online_merge(sh, R, rank, ps);
+      if (ph == 1) break;
+      if (with_state && rank == 0 && x.post) {
+#pragma unroll
+        for (int c4 = 0; c4 < 4; ++c4) {
+          if (comp(sz, c4) > 0.0f) merge_into(ps.mx[c4], ps.z[c4], ps.acc[c4], comp(sm, c4), comp(sz, c4), comp(sa, c4));
+        }
+      }
+      if (closes && rank == 0) {  // cast, sum of squares over the CTA (fixed order), store_entry
+        float val[4];
+        float ss = 0.0f;
+#pragma unroll
+        for (int c4 = 0; c4 < 4; ++c4) {
+          val[c4] = x.post ? round_to<OutT>(__fdiv_rn(ps.acc[c4], ps.z[c4])) : 0.0f;
+          ss = __fmaf_rn(val[c4], val[c4], ss);
+        }
+        ss = warp_sum(ss);
+        if (lane == 0 && warp < x.post_warps) sh.red[warp] = ss;
+        __syncthreads();
+        float tot = 0.0f;
+        for (int i = 0; i < x.post_warps; ++i) tot = __fadd_rn(tot, sh.red[i]);
+        store_entry<OutT, QUANT>(a, x, sh.had, cs, rt, dst, val, tot);
+        __syncthreads();  // sh.red and sh.had are reused by the next item
       }
     }
+    if (!owner) continue;
     if (rank == 0 && x.post) {
       st4(a.score_state + st_sc, make_float4(ps.mx[0], ps.mx[1], ps.mx[2], ps.mx[3]));
       st4(a.score_state + st_sc + d, make_float4(ps.z[0], ps.z[1], ps.z[2], ps.z[3]));

@@ -42,10 +42,12 @@ def _load_family(stem: str, arch: str, verbose: bool) -> None:
     build_dir = CSRC.parent / ".build" / f"dsv4rt_{stem}"
     build_dir.mkdir(parents=True, exist_ok=True)
     # No --use_fast_math: the kernels must round exactly as the references (IEEE division, log2f/exp2f/cosf/sinf,
-    # no flush of denormals); csrc/check_compile.sh builds with the same flags.
+    # no flush of denormals); csrc/check_compile.sh builds with the same flags. DSV4RT_NVCC_FLAGS adds flags (e.g.
+    # -lineinfo, for Nsight Compute's source view).
+    extra = os.environ.get("DSV4RT_NVCC_FLAGS", "").split()
     cpp_extension.load(name=f"dsv4rt_{stem}", sources=[str(CSRC / f"{stem}.cu"), str(CSRC / f"{stem}.cpp")],
                        build_directory=str(build_dir), is_python_module=False,
-                       extra_cuda_cflags=["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}"],
+                       extra_cuda_cflags=["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", *extra],
                        extra_cflags=["-O3"], verbose=verbose)
 
 
