@@ -410,12 +410,14 @@ struct Dest {
   int in_block;
 };
 
-__device__ __forceinline__ Dest entry_dest(const CompressorArgs& a, const Ctx& x, const Tok& tk, int w) {
+__device__ __forceinline__ Dest entry_dest(const CompressorArgs& a, const Ctx& x, const Tok& tk, int w,
+                                           bool l2_only = false) {
   const int n_entries = static_cast<int>(a.bt_cols * a.per_block), per_block = static_cast<int>(a.per_block);
   const int wc = w < 0 ? 0 : (w >= n_entries ? n_entries - 1 : w);
   const int col = wc / per_block;
   Dest dst{-1, wc - col * per_block};
-  if (x.post) dst.blk = a.block_table[static_cast<int64_t>(tk.r) * a.bt_stride + col];
+  const int32_t* at = a.block_table + static_cast<int64_t>(tk.r) * a.bt_stride + col;
+  if (x.post) dst.blk = l2_only ? __ldcg(at) : *at;
   return dst;
 }
 
@@ -1295,7 +1297,7 @@ __device__ __forceinline__ void online_merge(const OnlineShared& sh, int R, int 
 
 template <typename OutT, int QUANT>
 __global__ void __launch_bounds__(kOnlineMaxThreads) compressor_online_kernel(const __grid_constant__ CompressorArgs a) {
-  pdl_launch_dependents();
+  if (!a.bulk) pdl_launch_dependents();  // with a bulk grid next: after the wait (see compressor_bulk_kernel)
   extern __shared__ float4 smem[];
   constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
   const int R = a.cluster, chunk = a.chunk;
@@ -1337,6 +1339,7 @@ __global__ void __launch_bounds__(kOnlineMaxThreads) compressor_online_kernel(co
     }
   }
   pdl_wait();  // the previous grid's writes are visible
+  if (a.bulk) pdl_launch_dependents();
 
   // --- the chunk's items (a token per thread), in token order
   const int64_t t0 = static_cast<int64_t>(blockIdx.x / R) * chunk;
@@ -1351,8 +1354,8 @@ __global__ void __launch_bounds__(kOnlineMaxThreads) compressor_online_kernel(co
     s = a.start_pos[t];
     e = a.end_pos[t];
     if (r >= 0 && r < a.n_slots) {  // else a PAD token: nothing (the reference uses the spare slot)
-      const bool closes = mod_pos(p + 1, m) == 0;
-      item = closes || (p == e - 1 && floor_div(p, m) == floor_div(s, m));
+      const bool closes = mod_pos(p + 1, m) == 0, owner = floor_div(p, m) == floor_div(s, m);
+      item = (closes && (owner || !a.bulk)) || (p == e - 1 && owner);  // with a bulk grid: only the owner's close
     }
   }
   const unsigned ballot = __ballot_sync(0xffffffffu, item);
@@ -1461,6 +1464,130 @@ __global__ void __launch_bounds__(kOnlineMaxThreads) compressor_online_kernel(co
   }
 }
 
+// ------------------------------------------------------------------ no overlap, long calls: the bulk grid
+// Window w of a request closes in the "interior" of the call when every row it pools is a row of this call: w > w0
+// (w0 = s / m, the window open when the call starts). Those entries read and write no state, so in long calls a
+// second grid takes them and the online kernel (a.bulk set) keeps only the owner's items: its window w0, the state,
+// the open rows. Tokens are cut into spans of m; a span holds at most one interior closer (two would need two
+// requests each with m tokens in the span). A cluster of K CTAs (channel slices of d / K, whole FP8 blocks) takes a
+// span: thread (quad, g) pools the slots g, g + G, ... of its quad's 4 channels, kBatch rows a load round, read
+// L2-only; the groups merge and the entry is post-processed as in the general kernel (finish_entry).
+// Ordering (programmatic dependent launch): this grid is launched right behind the online kernel of the same call,
+// which allows the launch only after its own pdl_wait: when a CTA of this grid runs, the grids before the call are
+// complete, so it reads the step's rows, metadata and block table without waiting. It writes only interior entries,
+// which that kernel does not touch, and its CTA 0 waits for that kernel (pdl_wait) before it exits, so the grid after
+// this one, which waits for it, sees both. DSV4RT_COMPRESSOR_BULK_WAIT=1 makes every CTA wait first (comparisons).
+// H200, 8,192 tokens, HCA alone: 25.0 us against 36.7 us in the online kernel (the owner's path there sets that time).
+constexpr int kBulkMaxThreads = 256;
+constexpr int kBulkMinBlocks = 4;  // at most 64 registers a thread: 4 CTAs of 256 threads an SM
+
+// Slots j = g, g + G, ... of interior entry w of the token tk (every slot a row of this call), merged into ps.
+__device__ void bulk_pool(const CompressorArgs& a, const Ctx& x, const Tok& tk, int w, Pool& ps) {
+  const int m = a.ratio;
+  const int64_t cw = static_cast<int64_t>(a.c) * a.d;
+  const int64_t row0 = tk.t + (static_cast<int64_t>(w - a.c + 1) * m - tk.p);  // the row of slot 0
+  for (int jb = x.g; jb < x.n_pool; jb += kBatch * x.G) {
+    float4 v[kBatch], s[kBatch], ap[kBatch];
+    bool ok[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {  // every load of the batch before the first add (see issue_pair)
+      const int j = jb + u * x.G;
+      ok[u] = j < x.n_pool;
+      v[u] = s[u] = ap[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (ok[u]) {
+        const int col = slot_half(a, j) + x.col;
+        const int64_t off = (row0 + j) * cw + col;
+        v[u] = __ldcg(reinterpret_cast<const float4*>(a.kv + off));
+        s[u] = __ldcg(reinterpret_cast<const float4*>(a.score + off));
+        ap[u] = ld4(a.ape + slot_qm(j, m) * cw + col);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) s[u] = add4(s[u], ap[u]);
+    reduce_batch(v, s, ok, ps);
+  }
+}
+
+__host__ __device__ inline size_t bulk_smem_bytes(int groups, int quads, int had) {
+  return sizeof(float4) * (groups > 1 ? static_cast<size_t>(3) * groups * quads : 0) +
+         sizeof(float) * (2 * kMaxWarps + 4 + had) + sizeof(int) * 4;
+}
+
+template <typename OutT, int QUANT>
+__global__ void __launch_bounds__(kBulkMaxThreads, kBulkMinBlocks)
+    compressor_bulk_kernel(const __grid_constant__ CompressorArgs a) {
+  pdl_launch_dependents();  // the next grid waits for this one's completion (pdl_wait at its start)
+  if (a.bulk_wait) pdl_wait();
+  extern __shared__ float4 smem[];
+  constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
+  Ctx x;
+  x.K = a.cluster;
+  x.rank = x.K > 1 ? static_cast<int>(cluster_rank()) : 0;
+  x.dk = a.d / x.K;
+  x.ch0 = x.rank * x.dk;
+  x.quads = x.dk / 4;
+  x.G = a.groups;
+  x.g_half = 1;
+  while (2 * x.g_half < x.G) x.g_half *= 2;
+  x.n_pool = a.c * a.ratio;
+  x.tid = threadIdx.x;
+  x.quad = x.tid % x.quads;
+  x.g = x.tid / x.quads;
+  x.col = x.ch0 + 4 * x.quad;
+  x.pools = x.g < x.G;
+  x.post = x.tid < x.quads;
+  x.post_warps = (x.quads + 31) / 32;
+  Shared sh{};
+  sh.part = smem;
+  sh.red = reinterpret_cast<float*>(smem + (x.G > 1 ? 3 * x.G * x.quads : 0));
+  sh.had = sh.red + 2 * kMaxWarps + 4;
+  sh.meta = reinterpret_cast<int*>(sh.had + had_floats(kFp4, x.quads));  // [4]: the closer's lt, r, p
+  const int m = a.ratio;
+
+  Consts cs = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f}};
+  const int nope = a.d - a.rope_dim;
+  if (x.post) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) cs.nw[k] = a.norm_weight[x.col + k];
+    if (x.col >= nope) {
+      cs.fr[0] = a.inv_freq[(x.col - nope) / 2];
+      cs.fr[1] = a.inv_freq[(x.col - nope) / 2 + 1];
+    }
+  }
+
+  // --- the span's interior closer, if any (its metadata in one round of loads)
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x / x.K) * m;
+  if (x.tid == 0) sh.meta[0] = -1;
+  __syncthreads();
+  for (int lt = x.tid; lt < m && t0 + lt < a.n_tokens; lt += blockDim.x) {
+    const int64_t t = t0 + lt;
+    const int p = __ldcg(a.positions + t), r = __ldcg(a.req_slot + t), s = __ldcg(a.start_pos + t);
+    if (mod_pos(p + 1, m) == 0 && r >= 0 && r < a.n_slots && floor_div(p + 1, m) - 1 >= floor_div(s, m) + a.c) {
+      sh.meta[0] = lt;
+      sh.meta[1] = r;
+      sh.meta[2] = p;
+    }
+  }
+  __syncthreads();
+  if (sh.meta[0] >= 0) {
+    Tok tk{};
+    tk.t = t0 + sh.meta[0];
+    tk.r = sh.meta[1];
+    tk.p = sh.meta[2];
+    const int w = closed_window(a, tk);
+    Pool ps;
+    ps.init();
+    if (x.pools) bulk_pool(a, x, tk, w, ps);
+    const Dest dst = entry_dest(a, x, tk, w, true);  // after the pooling: fewer registers live across its loads
+    const Rot rt = rope_rot(a, x, cs, w);
+    finish_entry<OutT, QUANT>(a, x, sh, cs, rt, dst, ps, 0);
+    if (x.K > 1) cluster_sync();  // no CTA exits while another may still read its shared memory
+  }
+  // complete only after the grid before this one (see above): one CTA's wait is enough for the grid, and the others
+  // leave their SM to the CTAs behind them
+  if (blockIdx.x == 0) pdl_wait();
+}
+
 int env_int(const char* name, int fallback) {
   const char* v = std::getenv(name);
   return (v != nullptr && *v != '\0') ? std::atoi(v) : fallback;
@@ -1482,14 +1609,17 @@ struct Config {
 // took 8, has its own kernel now; DSV4RT_COMPRESSOR_CLUSTER forces it), as long as a slice keeps
 // whole FP8 blocks (FP4 rows need the whole row for the Hadamard transform) and fits a CTA of `max_threads`.
 template <int QUANT>
-int pick_cluster(const CompressorArgs& a, int max_threads) {
+bool slice_ok(const CompressorArgs& a, int k, int max_threads) {
   constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
   constexpr bool kFp8 = QUANT == kQuantFp8 || QUANT == kQuantFp8Sim;
-  auto slice_ok = [&](int k) {
-    if (a.d % k != 0) return false;
-    const int dk = a.d / k;
-    return dk % 4 == 0 && dk / 4 <= max_threads && (!kFp8 || dk % kFp8Block == 0) && (!kFp4 || k == 1);
-  };
+  if (a.d % k != 0) return false;
+  const int dk = a.d / k;
+  return dk % 4 == 0 && dk / 4 <= max_threads && (!kFp8 || dk % kFp8Block == 0) && (!kFp4 || k == 1);
+}
+
+template <int QUANT>
+int pick_cluster(const CompressorArgs& a, int max_threads) {
+  auto slice_ok = [&](int k) { return dsv4rt::slice_ok<QUANT>(a, k, max_threads); };
   int cluster = 1;
   if (a.c * a.ratio >= 32) {
     for (int k = 8; k > 1; k /= 2) {
@@ -1611,6 +1741,38 @@ Config pick_online(const CompressorArgs& a) {
   return cfg;
 }
 
+// The bulk grid's configuration, or false when the call has none: no-overlap calls of at least kBulkMinTokens tokens
+// (DSV4RT_COMPRESSOR_BULK=1: whenever an interior window is possible, 0: never). K = 4 channel slices, G = 8 slot
+// groups (16 rows a thread in 4 load rounds); DSV4RT_COMPRESSOR_BULK_K and _BULK_G override them. H200, 8,192
+// tokens, HCA alone: K 4 25.0 us, K 8 G 16 33.5, K 8 G 8 25.3, K 2 G 4 31.3.
+constexpr int64_t kBulkMinTokens = 512;
+
+template <int QUANT>
+bool pick_bulk(const CompressorArgs& a, Config& cfg) {
+  constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
+  const int on = env_int("DSV4RT_COMPRESSOR_BULK", -1);
+  if (a.c != 1 || on == 0 || a.n_tokens <= a.ratio || (on != 1 && a.n_tokens < kBulkMinTokens)) return false;
+  int k = 4;
+  const int k_env = env_int("DSV4RT_COMPRESSOR_BULK_K", 0);
+  if (k_env == 1 || k_env == 2 || k_env == 4 || k_env == 8) k = k_env;
+  while (k > 1 && !slice_ok<QUANT>(a, k, kBulkMaxThreads)) k /= 2;
+  if (!slice_ok<QUANT>(a, k, kBulkMaxThreads)) return false;
+  const int quads = a.d / k / 4, n_pool = a.c * a.ratio;
+  int g = 8;
+  const int g_env = env_int("DSV4RT_COMPRESSOR_BULK_G", 0);
+  if (g_env > 0) g = g_env;
+  const int g_max = kBulkMaxThreads / quads;
+  g = g < 1 ? 1 : (g > g_max ? g_max : (g > n_pool ? n_pool : g));
+  cfg.cluster = k;
+  cfg.groups = g;
+  cfg.threads = (quads * g + 31) / 32 * 32;
+  cfg.chunk = a.ratio;  // a span of m tokens a cluster
+  cfg.pipe = 0;
+  cfg.smem = bulk_smem_bytes(g, quads, had_floats(kFp4, quads));
+  cfg.pdl = env_int("DSV4RT_COMPRESSOR_PDL", 1) != 0;
+  return true;
+}
+
 template <typename Kernel>
 cudaError_t launch_grid(Kernel kernel, const CompressorArgs& a, const Config& cfg, cudaStream_t stream) {
   if (cfg.smem > 48 * 1024) {
@@ -1632,13 +1794,23 @@ cudaError_t launch_grid(Kernel kernel, const CompressorArgs& a, const Config& cf
 template <typename OutT, int QUANT>
 cudaError_t launch_typed(CompressorArgs a, cudaStream_t stream) {
   Config cfg;
-  if (a.c == 1) {  // no overlap: the online softmax state
+  a.bulk = a.bulk_wait = 0;
+  if (a.c == 1) {  // no overlap: the online softmax state, and in long calls the bulk grid behind it
+    Config bulk;
+    a.bulk = pick_bulk<QUANT>(a, bulk) ? 1 : 0;
     cfg = pick_online<QUANT>(a);
     a.cluster = cfg.cluster;
     a.groups = cfg.groups;
     a.chunk = cfg.chunk;
     a.pipe = cfg.pipe;
-    return launch_grid(compressor_online_kernel<OutT, QUANT>, a, cfg, stream);
+    const cudaError_t err = launch_grid(compressor_online_kernel<OutT, QUANT>, a, cfg, stream);
+    if (err != cudaSuccess || !a.bulk) return err;
+    a.cluster = bulk.cluster;
+    a.groups = bulk.groups;
+    a.chunk = bulk.chunk;
+    a.pipe = bulk.pipe;
+    a.bulk_wait = env_int("DSV4RT_COMPRESSOR_BULK_WAIT", 0) == 1 ? 1 : 0;
+    return launch_grid(compressor_bulk_kernel<OutT, QUANT>, a, bulk, stream);
   }
   const bool small = pick_small<QUANT>(a, cfg);
   if (!small) cfg = pick_config<QUANT>(a);

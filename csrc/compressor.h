@@ -41,6 +41,8 @@ struct CompressorArgs {
   int groups;   // slot groups: threads that pool disjoint slots of the same 4 channels
   int chunk;    // tokens per chunk (one chunk per cluster)
   int pipe;     // closing tokens' slots staged in shared memory ahead of their turn
+  int bulk;       // (no overlap) a second grid takes the windows that read no state; this one skips them
+  int bulk_wait;  // that grid waits for the previous one before it reads (DSV4RT_COMPRESSOR_BULK_WAIT=1)
 };
 
 cudaError_t compressor_update_launch(const CompressorArgs& args, cudaStream_t stream);

@@ -186,15 +186,17 @@ def test_bench_swa_cache_write(benchmark, copy_bandwidth, mode, fmt):
     _report(benchmark, graph, REPEATS[mode], meta["bytes"], copy_bandwidth, {"mode": mode, "kv_dtype": fmt})
 
 
-# (mode, compressor) -> forced configurations "K,G,chunk,pipe,small" (empty: the launcher's default: for the CSA
-# compressors the general kernel, small=1 the opt-in small-call kernel; HCA always runs the online-state kernel,
-# which takes K (cluster) and chunk only).
+# (mode, compressor) -> forced configurations "K,G,chunk,pipe,small" or named knobs "BULK_K=8 BULK_G=8" (empty: the
+# launcher's default: for the CSA compressors the general kernel, small=1 the opt-in small-call kernel; HCA always
+# runs the online-state kernel, which takes K (cluster) and chunk only, and in long calls the bulk grid behind it:
+# BULK_K its channel slices, BULK_G its slot groups, BULK=0 none).
 SWEEP = {
     ("prefill", "csa_main"): [",,,,", ",1,,,", ",4,,,", ",,4,,", ",,8,,", ",,32,,", ",,16,0,", ",1,4,,", ",1,8,,",
                               "2,,4,,", "4,,4,,", "2,1,8,,", ",,1,,1", ",,4,,1"],
     ("prefill", "csa_indexer"): [",,,,", ",1,,,", ",4,,,", ",,8,,", ",,16,,", ",,32,,", ",1,8,,", ",1,16,,",
                                  ",,8,0,", ",,1,,1", ",,4,,1"],
-    ("prefill", "hca"): [",,,,", "1,,128,,", "2,,128,,", "4,,128,,", "8,,64,,", "8,,32,,"],
+    ("prefill", "hca"): [",,,,", "BULK=0", "BULK_K=8", "BULK_G=16", "BULK_K=8 BULK_G=8", "BULK_K=2 BULK_G=4",
+                         "BULK_WAIT=1", "2,,128,,"],
     ("decode", "csa_main"): [",,,,", ",,,,1", ",2,1,,", ",,2,,1", "2,,1,,1", "2,,1,,", "4,,1,,"],
     ("decode", "csa_indexer"): [",,,,", ",,,,1", ",2,1,,", ",,2,,1", ",1,1,,"],
     ("decode", "hca"): [",,,,", ",,2,,", ",,4,,", "2,,1,,"],
@@ -203,9 +205,8 @@ SWEEP = {
 }
 # the three together under per-compressor configurations (csa_main, csa_indexer, hca), as above
 COMBOS = {
-    "prefill": [(",,,,", ",,,,", ",,,,"), (",1,,,", ",,,,", "2,,128,,"), (",1,8,,", ",,8,,", "2,,128,,"),
-                (",1,,,", ",,,,", "4,,128,,"), (",1,,,", ",,,,", ",,,,"), (",,,,", ",,,,", "2,,128,,"),
-                (",1,,,,100", ",,,,,100", "2,,128,,,100"), (",,,,,100", ",,,,,100", ",,,,,100")],
+    "prefill": [(",,,,", ",,,,", ",,,,"), (",,,,", ",,,,", "BULK=0"), (",,,,", ",,,,", "BULK_WAIT=1"),
+                (",,,,", ",,,,", "BULK_K=8 BULK_G=8")],
     "decode": [(",,,,", ",,,,", ",,,,"), ("4,,1,,", ",,,,", ",,,,"), (",,,,,100", ",,,,,100", ",,,,,100")],
 }
 # a sixth field: DSV4RT_COMPRESSOR_CARVEOUT (set once, it stays on the kernel for the process: those combos last)
@@ -230,7 +231,16 @@ def _with_env(env: dict, fn):
 
 
 def _env_of(cfg: str) -> dict:
+    """Positional "K,G,chunk,pipe,small[,carveout]" or named "KNOB=v KNOB=v" (DSV4RT_COMPRESSOR_KNOB)."""
+    if "=" in cfg:
+        return {f"DSV4RT_COMPRESSOR_{k}": v for k, v in (kv.split("=") for kv in cfg.split())}
     return {f"DSV4RT_COMPRESSOR_{k}": v for k, v in zip(_KNOBS, cfg.split(","))}
+
+
+def _label(cfg: str) -> str:
+    if "=" in cfg:
+        return cfg
+    return " ".join(f"{k}={v or '-'}" for k, v in zip(("K", "G", "chunk", "pipe", "small"), cfg.split(",")))
 
 
 def _sweep_sets(mode: str, fmt: str = "fp8"):
@@ -269,11 +279,10 @@ def test_bench_compressor_sweep(benchmark, copy_bandwidth):
                 break
             for cfg in SWEEP.get((mode, name), []):
                 us = _time_env([(sets[name], _env_of(cfg))], REPEATS[mode])
-                label = " ".join(f"{k}={v or '-'}" for k, v in zip(("K", "G", "chunk", "pipe", "small"),
-                                                                     cfg.split(",")))
+                label = _label(cfg)
                 rows.append((mode, name, label, us, None))
         for combo in COMBOS.get(mode, []):
-            if any(len(c.split(",")) > 5 for c in combo):  # a carveout stays set: after everything else
+            if any("=" not in c and len(c.split(",")) > 5 for c in combo):  # a carveout stays set: after everything else
                 later.append((mode, sets, nbytes, combo))
                 continue
             us = _time_env([(sets[n], _env_of(c)) for n, c in zip(COMPRESSORS, combo)], REPEATS[mode])

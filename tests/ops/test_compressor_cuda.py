@@ -315,6 +315,9 @@ def test_compressor_update_cuda_float16(comp):
 # batches of slots a thread; 32: groups without slots for the small windows), channel slices in clusters (also for
 # the small windows, where the default is one CTA), and plain stream serialization instead of programmatic
 # dependent launch.
+# Bulk grid (BULK=1; by default only in calls of 512 tokens or more; no-overlap compressors only): HCA's interior
+# windows, which read no state, in a second grid behind the online kernel: clusters of K CTAs (channel slices) over a
+# span of m tokens, G slot groups, started without waiting for the online kernel (or waiting: BULK_WAIT=1).
 # Small-call kernel (SMALL=1, also for the prefill scenario, whose HCA call is large): one token a CTA or several
 # (closers of one request, the owner among them, in turn; several entries a cluster: both shared-memory buffers),
 # G == 1 (the owner's overlap rows copied inside the pooling) or not (the owner's barrier and row copies; groups
@@ -338,6 +341,13 @@ FORCED_CONFIGS = {
     "small_cluster2_g8": {"SMALL": "1", "CLUSTER": "2", "GROUPS": "8"},
     "small_cluster4_chunk2_g1": {"SMALL": "1", "CLUSTER": "4", "CHUNK": "2", "GROUPS": "1"},
     "small_no_pdl": {"SMALL": "1", "PDL": "0"},
+    # the bulk grid behind the online kernel (HCA's interior windows: the prefill and mixed scenarios; the overlap
+    # compressors have none, so these run their defaults)
+    "bulk": {"BULK": "1"},
+    "bulk_k2_g3": {"BULK": "1", "BULK_K": "2", "BULK_G": "3"},
+    "bulk_g1_wait": {"BULK": "1", "BULK_G": "1", "BULK_WAIT": "1"},
+    "bulk_no_pdl": {"BULK": "1", "PDL": "0"},
+    "bulk_k8_chunk4": {"BULK": "1", "BULK_K": "8", "CHUNK": "4"},
 }
 
 
