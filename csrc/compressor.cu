@@ -2,8 +2,9 @@
 // window that closes in the step. One launch per compressor per step, decode and prefill chunks alike.
 // Overlap compressors (CSA main and indexer: buffered state rows) run the general kernel (below) or, opt-in, the
 // small-call kernel; the no-overlap compressor (HCA: the open window as an online softmax state) runs
-// compressor_online_kernel ("no overlap" section). The first two are written for any c; since the online state,
-// the launcher sends them overlap calls only.
+// compressor_online_kernel ("no overlap" section) and, in long calls, compressor_bulk_kernel behind it for the
+// windows that read no state ("the bulk grid" section). The first two are written for any c; since the online
+// state, the launcher sends them overlap calls only.
 //
 // Grid (from the shapes only): the tokens are cut into chunks of consecutive tokens; a cluster of K CTAs takes one
 // chunk, CTA k the channel slice [k*d/K, (k+1)*d/K) (of both halves with overlap). In a CTA:
