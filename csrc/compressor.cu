@@ -380,6 +380,44 @@ struct Consts {
   float fr[2];  // rope frequencies of its two channel pairs (rope quads)
 };
 
+// The thread's place in a CTA that takes a channel slice of a.d / a.cluster channels (cluster rank = slice) with
+// a.groups slot groups (the general, small-call and bulk kernels).
+__device__ __forceinline__ Ctx slice_ctx(const CompressorArgs& a) {
+  Ctx x;
+  x.K = a.cluster;
+  x.rank = x.K > 1 ? static_cast<int>(cluster_rank()) : 0;
+  x.dk = a.d / x.K;
+  x.ch0 = x.rank * x.dk;
+  x.quads = x.dk / 4;
+  x.G = a.groups;
+  x.g_half = 1;
+  while (2 * x.g_half < x.G) x.g_half *= 2;
+  x.n_pool = a.c * a.ratio;
+  x.tid = threadIdx.x;
+  x.quad = x.tid % x.quads;
+  x.g = x.tid / x.quads;
+  x.col = x.ch0 + 4 * x.quad;
+  x.pools = x.g < x.G;
+  x.post = x.tid < x.quads;
+  x.post_warps = (x.quads + 31) / 32;
+  return x;
+}
+
+// The post-processing constants of the thread's quad (post threads; weights, complete before any grid of the step).
+__device__ __forceinline__ Consts load_consts(const CompressorArgs& a, const Ctx& x) {
+  Consts cs = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f}};
+  const int nope = a.d - a.rope_dim;
+  if (x.post) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) cs.nw[k] = a.norm_weight[x.col + k];
+    if (x.col >= nope) {
+      cs.fr[0] = a.inv_freq[(x.col - nope) / 2];
+      cs.fr[1] = a.inv_freq[(x.col - nope) / 2 + 1];
+    }
+  }
+  return cs;
+}
+
 // RoPE rotation of the quad's two channel pairs at the window's first position (rope quads), computed before the
 // pooling so that it runs while the slots load.
 struct Rot {
@@ -773,23 +811,7 @@ __global__ void __launch_bounds__(kMaxThreads) compressor_update_kernel(const __
   pdl_wait();  // the previous grid's writes are visible
   extern __shared__ float4 smem[];
   constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
-  Ctx x;
-  x.K = a.cluster;
-  x.rank = x.K > 1 ? static_cast<int>(cluster_rank()) : 0;
-  x.dk = a.d / x.K;
-  x.ch0 = x.rank * x.dk;
-  x.quads = x.dk / 4;
-  x.G = a.groups;
-  x.g_half = 1;
-  while (2 * x.g_half < x.G) x.g_half *= 2;
-  x.n_pool = a.c * a.ratio;
-  x.tid = threadIdx.x;
-  x.quad = x.tid % x.quads;
-  x.g = x.tid / x.quads;
-  x.col = x.ch0 + 4 * x.quad;
-  x.pools = x.g < x.G;
-  x.post = x.tid < x.quads;
-  x.post_warps = (x.quads + 31) / 32;
+  const Ctx x = slice_ctx(a);
   const int chunk = a.chunk;
   const bool pipe = a.pipe != 0;
   const Shared sh = carve(smem, x, pipe, chunk, had_floats(kFp4, x.quads));
@@ -798,16 +820,7 @@ __global__ void __launch_bounds__(kMaxThreads) compressor_update_kernel(const __
 
   // constants of the quad's post-processing and (pipeline) the ape rows of the thread's slots, loaded with the
   // metadata
-  Consts cs = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f}};
-  const int nope = a.d - a.rope_dim;
-  if (x.post) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) cs.nw[k] = a.norm_weight[x.col + k];
-    if (x.col >= nope) {
-      cs.fr[0] = a.inv_freq[(x.col - nope) / 2];
-      cs.fr[1] = a.inv_freq[(x.col - nope) / 2 + 1];
-    }
-  }
+  const Consts cs = load_consts(a, x);
   float4 ape[kBatch];
 #pragma unroll
   for (int u = 0; u < kBatch; ++u) {
@@ -1141,22 +1154,7 @@ __global__ void __launch_bounds__(kSmallMaxThreads, 2)
   pdl_launch_dependents();
   pdl_wait();  // the previous grid's writes are visible
   extern __shared__ float4 smem[];
-  Ctx x;
-  x.K = a.cluster;
-  x.rank = x.K > 1 ? static_cast<int>(cluster_rank()) : 0;
-  x.dk = a.d / x.K;
-  x.ch0 = x.rank * x.dk;
-  x.quads = x.dk / 4;
-  x.G = a.groups;
-  x.g_half = 1;
-  x.n_pool = a.c * a.ratio;
-  x.tid = threadIdx.x;
-  x.quad = x.tid % x.quads;
-  x.g = x.tid / x.quads;
-  x.col = x.ch0 + 4 * x.quad;
-  x.pools = x.g < x.G;
-  x.post = x.tid < x.quads;
-  x.post_warps = (x.quads + 31) / 32;
+  const Ctx x = slice_ctx(a);  // (g_half: unused here, the groups merge through shuffles)
   const int n_lead = small_leaders(static_cast<int>(blockDim.x), x.quads, x.G);
   SmallShared sh;
   sh.part = smem;
@@ -1180,16 +1178,7 @@ __global__ void __launch_bounds__(kSmallMaxThreads, 2)
       r = -1;  // a PAD token
     }
   }
-  Consts cs = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f}};
-  const int nope = a.d - a.rope_dim;
-  if (x.post) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) cs.nw[k] = a.norm_weight[x.col + k];
-    if (x.col >= nope) {
-      cs.fr[0] = a.inv_freq[(x.col - nope) / 2];
-      cs.fr[1] = a.inv_freq[(x.col - nope) / 2 + 1];
-    }
-  }
+  const Consts cs = load_consts(a, x);
   const unsigned closers = __ballot_sync(0xffffffffu, work == kClose);
   const unsigned rows = __ballot_sync(0xffffffffu, work == kWriteRow);
   bool pending = false;
@@ -1329,16 +1318,7 @@ __global__ void __launch_bounds__(kOnlineMaxThreads) compressor_online_kernel(co
   sh.counts = sh.meta + 5 * chunk;
 
   // constants of the post-processing (weights: complete before the previous grid started)
-  Consts cs = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f}};
-  const int nope = d - a.rope_dim;
-  if (x.post) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) cs.nw[k] = a.norm_weight[x.col + k];
-    if (x.col >= nope) {
-      cs.fr[0] = a.inv_freq[(x.col - nope) / 2];
-      cs.fr[1] = a.inv_freq[(x.col - nope) / 2 + 1];
-    }
-  }
+  const Consts cs = load_consts(a, x);
   pdl_wait();  // the previous grid's writes are visible
   if (a.bulk) pdl_launch_dependents();
 
@@ -1521,23 +1501,7 @@ __global__ void __launch_bounds__(kBulkMaxThreads, kBulkMinBlocks)
   if (a.bulk_wait) pdl_wait();
   extern __shared__ float4 smem[];
   constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
-  Ctx x;
-  x.K = a.cluster;
-  x.rank = x.K > 1 ? static_cast<int>(cluster_rank()) : 0;
-  x.dk = a.d / x.K;
-  x.ch0 = x.rank * x.dk;
-  x.quads = x.dk / 4;
-  x.G = a.groups;
-  x.g_half = 1;
-  while (2 * x.g_half < x.G) x.g_half *= 2;
-  x.n_pool = a.c * a.ratio;
-  x.tid = threadIdx.x;
-  x.quad = x.tid % x.quads;
-  x.g = x.tid / x.quads;
-  x.col = x.ch0 + 4 * x.quad;
-  x.pools = x.g < x.G;
-  x.post = x.tid < x.quads;
-  x.post_warps = (x.quads + 31) / 32;
+  const Ctx x = slice_ctx(a);
   Shared sh{};
   sh.part = smem;
   sh.red = reinterpret_cast<float*>(smem + (x.G > 1 ? 3 * x.G * x.quads : 0));
@@ -1545,16 +1509,7 @@ __global__ void __launch_bounds__(kBulkMaxThreads, kBulkMinBlocks)
   sh.meta = reinterpret_cast<int*>(sh.had + had_floats(kFp4, x.quads));  // [4]: the closer's lt, r, p
   const int m = a.ratio;
 
-  Consts cs = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f}};
-  const int nope = a.d - a.rope_dim;
-  if (x.post) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) cs.nw[k] = a.norm_weight[x.col + k];
-    if (x.col >= nope) {
-      cs.fr[0] = a.inv_freq[(x.col - nope) / 2];
-      cs.fr[1] = a.inv_freq[(x.col - nope) / 2 + 1];
-    }
-  }
+  const Consts cs = load_consts(a, x);
 
   // --- the span's interior closer, if any (its metadata in one round of loads)
   const int64_t t0 = static_cast<int64_t>(blockIdx.x / x.K) * m;
