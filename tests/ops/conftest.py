@@ -10,3 +10,20 @@ def _one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def capture_graph():
+    """capture(fn) -> (graph, out): fn runs once on a side stream (warm-up: builds, launch attributes), then is
+    captured there; graph.replay() runs it again on the current stream."""
+    def capture(fn):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = fn()
+        return graph, out
+    return capture

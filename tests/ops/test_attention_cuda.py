@@ -192,7 +192,7 @@ def test_no_visible_key_gives_zero():
 
 
 @pytest.mark.parametrize("mode,fp8", [("csa", True), ("hca", False)])
-def test_graph_replay_with_new_inputs(mode, fp8):
+def test_graph_replay_with_new_inputs(mode, fp8, capture_graph):
     """Captured once; replays with new positions, lists, caches and queries equal the reference: nothing about
     the inputs' values is planned on the host."""
     d = FLASH
@@ -201,14 +201,7 @@ def test_graph_replay_with_new_inputs(mode, fp8):
                 [(1, 300, 1), (2, 9999, 1), (4, 0, 1), (7, 5555, 1)],
                 [(0, 130, 1), (3, 4100, 1), (5, 8000, 1), (6, 1, 1)]]
     static = list(make_case(d, mode, seg_sets[0], fp8, torch.bfloat16, seed=0, **shape_kw))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        sparse_attn(*static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        out = sparse_attn(*static)
+    graph, out = capture_graph(lambda: sparse_attn(*static))
     for i, segs in enumerate(seg_sets):
         new = make_case(d, mode, segs, fp8, torch.bfloat16, seed=10 + i, **shape_kw)
         for dst, src in zip(static, new):

@@ -380,21 +380,14 @@ def test_compressor_update_cuda_opcheck(comp):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("comp", ["hca", "csa_main"])
-def test_compressor_update_cuda_graph_replay(comp, monkeypatch):
+def test_compressor_update_cuda_graph_replay(comp, monkeypatch, capture_graph):
     """Captured once (HCA with its bulk grid forced on: two grids ordered by programmatic dependent launch inside
     the graph); replays on new rows, states and block tables write exactly what the eager op writes on the same
     inputs, byte for byte (the kernels are deterministic)."""
     monkeypatch.setenv("DSV4RT_COMPRESSOR_BULK", "1")
     op = torch.ops.dsv4rt.compressor_update.default
     static = list(compressor_inputs("cuda", comp, "prefill", "fp8", torch.bfloat16, seed=0).args)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        op(*static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        op(*static)
+    graph, _ = capture_graph(lambda: op(*static))
     for seed in (1, 2):
         new = compressor_inputs("cuda", comp, "prefill", "fp8", torch.bfloat16, seed=seed).args
         eager = [t.clone() if isinstance(t, Tensor) else t for t in new]

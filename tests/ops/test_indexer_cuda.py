@@ -236,7 +236,7 @@ def test_deterministic():
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "bf16"])
-def test_graph_replay_new_inputs(fmt):
+def test_graph_replay_new_inputs(fmt, capture_graph):
     # capture once, then change positions, slots, block table, keys, q and weights in place: the replay equals
     # the reference on the new inputs (no host-side planning is baked into the graph)
     toks = [(0, RATIO * 3000 - 1), (1, RATIO * 3000 - 5), (PAD_SLOT, 0)]
@@ -248,14 +248,7 @@ def test_graph_replay_new_inputs(fmt):
               torch.tensor([RATIO * 2500 + 3, RATIO * 900, RATIO * 10], dtype=torch.int32, device="cuda"), table,
               RATIO, FLASH["topk"])
     args = [a.clone() if isinstance(a, torch.Tensor) else a for a in first]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        indexer_topk(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        out = indexer_topk(*args)
+    graph, out = capture_graph(lambda: indexer_topk(*args))
     for new in (second, first):
         for dst, src in zip(args[:6], new[:6]):
             dst.copy_(src)

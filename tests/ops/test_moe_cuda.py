@@ -441,7 +441,7 @@ def test_experts_rejects_bad_layouts():
 
 # ------------------------------------------------------------------------------------------ capture
 @pytest.mark.parametrize("n_tokens", [1, 8, 64])
-def test_model_chain_replay(flash_weights, n_tokens, small_path):
+def test_model_chain_replay(flash_weights, n_tokens, small_path, capture_graph):
     """MoE.forward's chain at Flash dims in one CUDA graph, replayed many times back to back on inputs rewritten in
     place: a kernel writes x, then moe_gate, moe_route and moe_experts with x_ready=True (the shared expert starts
     while the router runs). Every replay equals the eager chain without x_ready, bit for bit."""
@@ -458,14 +458,7 @@ def test_model_chain_replay(flash_weights, n_tokens, small_path):
 
     static_src = torch.randn(n_tokens, FLASH_D, device="cuda")
     reps = 8
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        chain(static_src, True)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        outs = [chain(static_src, True) for _ in range(reps)]
+    graph, outs = capture_graph(lambda: [chain(static_src, True) for _ in range(reps)])
     for seed in (22, 23, 24):
         new_src = torch.randn(n_tokens, FLASH_D, generator=torch.Generator(device="cuda").manual_seed(seed),
                               device="cuda")
@@ -482,7 +475,7 @@ def test_model_chain_replay(flash_weights, n_tokens, small_path):
 
 
 @pytest.mark.parametrize("n_tokens", [1, 8, 64, 4096])
-def test_route_and_experts_replay(n_tokens, small_path):
+def test_route_and_experts_replay(n_tokens, small_path, capture_graph):
     """Router + experts (with the shared expert) captured in one CUDA graph, replayed on new inputs written in
     place: equal to eager calls."""
     skip_if_same(small_path, n_tokens)
@@ -495,14 +488,7 @@ def test_route_and_experts_replay(n_tokens, small_path):
         return moe_experts(xin, w13, w2, weights, ids, limit, *sh)
 
     static_x, static_logits = x.clone(), torch.randn(n_tokens, n_exp, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step(static_x, static_logits)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        static_out = step(static_x, static_logits)
+    graph, static_out = capture_graph(lambda: step(static_x, static_logits))
     for seed in (8, 9):
         new_x = moe_experts_inputs("cuda", torch.bfloat16, n_tokens, seed=seed)[0]
         new_logits = torch.randn(n_tokens, n_exp, device="cuda") * 2.0

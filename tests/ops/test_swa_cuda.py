@@ -11,7 +11,6 @@ from typing import Callable
 
 import pytest
 import torch
-from torch import Tensor
 
 from dsv4rt.ops.kv_quant import fp8_row_bytes
 from dsv4rt.ops.swa import PAD_SLOT, swa_cache_write_ref
