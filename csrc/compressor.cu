@@ -694,10 +694,37 @@ __device__ void copy_rows(const CompressorArgs& a, const Ctx& x, const Tok& tk, 
   }
 }
 
+// Row-writing item cc of token row t (request slot r, position mod m pm): loads columns [col, col + 4) of its kv,
+// score and ape row (col: the cc-th of this CTA's 16-byte columns of the c halves); returns its open row's offset.
+__device__ __forceinline__ int64_t open_row_load(const CompressorArgs& a, const Ctx& x, int64_t t, int r, int pm,
+                                                 int cc, float4& v, float4& s, float4& ap) {
+  const int m = a.ratio, c = a.c, d = a.d;
+  const int64_t cw = static_cast<int64_t>(c) * d;
+  const int col = (cc / x.quads) * d + x.ch0 + 4 * (cc % x.quads);
+  const int64_t src = t * cw + col;
+  v = ld4(a.kv + src);
+  s = ld4(a.score + src);
+  ap = ld4(a.ape + pm * cw + col);
+  return (static_cast<int64_t>(r) * c * m + (c - 1) * m + pm) * cw + col;
+}
+
+// The loaded items to their open rows (dst < 0: none), the score + ape adds after every load went out (see
+// issue_pair).
+__device__ __forceinline__ void open_rows_store(const CompressorArgs& a, const int64_t (&dst)[kCopyUnroll],
+                                                const float4 (&v)[kCopyUnroll], const float4 (&s)[kCopyUnroll],
+                                                const float4 (&ap)[kCopyUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    if (dst[u] >= 0) {
+      st4(a.kv_state + dst[u], v[u]);
+      st4(a.score_state + dst[u], add4(s[u], ap[u]));
+    }
+  }
+}
+
 // The chunk's row-writing tokens: (kv, score + ape) rows to open row p mod m, this CTA's columns, all at once.
 __device__ void write_rows(const CompressorArgs& a, const Ctx& x, const Shared& sh, int64_t t0, int chunk, int n_row) {
-  const int m = a.ratio, c = a.c, d = a.d, ncol = c * x.quads;
-  const int64_t cw = static_cast<int64_t>(c) * d;
+  const int m = a.ratio, ncol = a.c * x.quads;
   const int items = n_row * ncol;
   for (int i0 = x.tid; i0 < items; i0 += kCopyUnroll * blockDim.x) {
     float4 v[kCopyUnroll], s[kCopyUnroll], ap[kCopyUnroll];
@@ -707,24 +734,12 @@ __device__ void write_rows(const CompressorArgs& a, const Ctx& x, const Shared& 
       const int idx = i0 + u * static_cast<int>(blockDim.x);
       dst[u] = -1;
       if (idx < items) {
-        const int k = idx / ncol, cc = idx - k * ncol;
-        const int lt = sh.list[chunk + k];
-        const int r = sh.meta[lt], pm = mod_pos(sh.meta[chunk + lt], m);
-        const int col = (cc / x.quads) * d + x.ch0 + 4 * (cc % x.quads);
-        const int64_t src = (t0 + lt) * cw + col;
-        v[u] = ld4(a.kv + src);
-        s[u] = ld4(a.score + src);
-        ap[u] = ld4(a.ape + pm * cw + col);
-        dst[u] = (static_cast<int64_t>(r) * c * m + (c - 1) * m + pm) * cw + col;
+        const int k = idx / ncol, lt = sh.list[chunk + k];
+        dst[u] = open_row_load(a, x, t0 + lt, sh.meta[lt], mod_pos(sh.meta[chunk + lt], m), idx - k * ncol, v[u],
+                               s[u], ap[u]);
       }
     }
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {  // the adds after every load went out (see issue_pair)
-      if (dst[u] >= 0) {
-        st4(a.kv_state + dst[u], v[u]);
-        st4(a.score_state + dst[u], add4(s[u], ap[u]));
-      }
-    }
+    open_rows_store(a, dst, v, s, ap);
   }
 }
 
@@ -1113,8 +1128,7 @@ __device__ void small_closer(const CompressorArgs& a, const Ctx& x, const SmallS
 // rows to open row p mod m, this CTA's columns, kCopyUnroll 16-byte columns a thread loaded before they are stored.
 __device__ void small_write_rows(const CompressorArgs& a, const Ctx& x, int64_t t0, unsigned rows, int r_lane,
                                  int p_lane) {
-  const int m = a.ratio, c = a.c, d = a.d, ncol = c * x.quads;
-  const int64_t cw = static_cast<int64_t>(c) * d;
+  const int m = a.ratio, ncol = a.c * x.quads;
   const int items = __popc(rows) * ncol, nthr = static_cast<int>(blockDim.x);
   for (int i0 = 0; i0 < items; i0 += kCopyUnroll * nthr) {  // the same trip count in every lane (shuffles)
     float4 v[kCopyUnroll], s[kCopyUnroll], ap[kCopyUnroll];
@@ -1128,23 +1142,9 @@ __device__ void small_write_rows(const CompressorArgs& a, const Ctx& x, int64_t 
       const int r = __shfl_sync(0xffffffffu, r_lane, li);
       const int pm = mod_pos(__shfl_sync(0xffffffffu, p_lane, li), m);
       dst[u] = -1;
-      if (in) {
-        const int cc = idx - k * ncol;
-        const int col = (cc / x.quads) * d + x.ch0 + 4 * (cc % x.quads);
-        const int64_t src = (t0 + li) * cw + col;
-        v[u] = ld4(a.kv + src);
-        s[u] = ld4(a.score + src);
-        ap[u] = ld4(a.ape + pm * cw + col);
-        dst[u] = (static_cast<int64_t>(r) * c * m + (c - 1) * m + pm) * cw + col;
-      }
+      if (in) dst[u] = open_row_load(a, x, t0 + li, r, pm, idx - k * ncol, v[u], s[u], ap[u]);
     }
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {  // the adds after every load went out (see issue_pair)
-      if (dst[u] >= 0) {
-        st4(a.kv_state + dst[u], v[u]);
-        st4(a.score_state + dst[u], add4(s[u], ap[u]));
-      }
-    }
+    open_rows_store(a, dst, v, s, ap);
   }
 }
 
