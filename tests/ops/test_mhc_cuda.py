@@ -159,7 +159,7 @@ def test_deterministic():
 
 
 @pytest.mark.parametrize("n_tok", [1, 64])
-def test_graph_replay(n_tok):
+def test_graph_replay(n_tok, capture_graph):
     """hc_pre -> hc_post -> hc_head captured in one CUDA graph; replays on new input values equal eager calls."""
     d = 4096
     x, fn, base, scale = _cuda(_pre_inputs(n_tok, 4, d, torch.bfloat16))
@@ -171,14 +171,7 @@ def test_graph_replay(n_tok):
         streams = hc_post(x, y + xc, post, comb)
         return xc, post, comb, streams, hc_head(streams, hfn, hbase, hscale, EPS, NORM_EPS)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        outs = step()
+    graph, outs = capture_graph(step)
     for seed in (2, 3):
         g = torch.Generator().manual_seed(seed)
         x.copy_(torch.randn(x.shape, generator=g).to(x.dtype))
