@@ -460,6 +460,19 @@ __device__ __forceinline__ Dest entry_dest(const CompressorArgs& a, const Ctx& x
   return dst;
 }
 
+// The quad's pooled channels cast to the activation dtype (0 off the post threads); returns the warp's sum of their
+// squares.
+template <typename OutT>
+__device__ __forceinline__ float cast_pooled(const Ctx& x, const Pool& ps, float (&val)[4]) {
+  float ss = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    val[k] = x.post ? round_to<OutT>(__fdiv_rn(ps.acc[k], ps.z[k])) : 0.0f;
+    ss = __fmaf_rn(val[k], val[k], ss);
+  }
+  return warp_sum(ss);
+}
+
 template <typename OutT, int QUANT>
 __device__ void store_entry(const CompressorArgs& a, const Ctx& x, float* had, const Consts& cs, const Rot& rt,
                             const Dest& dst, float (&val)[4], float tot);
@@ -497,13 +510,7 @@ __device__ void finish_entry(const CompressorArgs& a, const Ctx& x, const Shared
 
   // --- cast to the activation dtype, sum of squares over the CTA, then the cluster (fixed order)
   float val[4];
-  float ss = 0.0f;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    val[k] = x.post ? round_to<OutT>(__fdiv_rn(ps.acc[k], ps.z[k])) : 0.0f;
-    ss = __fmaf_rn(val[k], val[k], ss);
-  }
-  ss = warp_sum(ss);
+  const float ss = cast_pooled<OutT>(x, ps, val);
   const int lane = x.tid & 31, warp = x.tid >> 5, buf = round & 1;
   if (lane == 0 && warp < x.post_warps) sh.red[buf * kMaxWarps + warp] = ss;
   __syncthreads();
@@ -1421,13 +1428,7 @@ __global__ void __launch_bounds__(kOnlineMaxThreads) compressor_online_kernel(co
       }
       if (closes && rank == 0) {  // cast, sum of squares over the CTA (fixed order), store_entry
         float val[4];
-        float ss = 0.0f;
-#pragma unroll
-        for (int c4 = 0; c4 < 4; ++c4) {
-          val[c4] = x.post ? round_to<OutT>(__fdiv_rn(ps.acc[c4], ps.z[c4])) : 0.0f;
-          ss = __fmaf_rn(val[c4], val[c4], ss);
-        }
-        ss = warp_sum(ss);
+        const float ss = cast_pooled<OutT>(x, ps, val);
         if (lane == 0 && warp < x.post_warps) sh.red[warp] = ss;
         __syncthreads();
         float tot = 0.0f;
