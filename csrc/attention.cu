@@ -75,12 +75,21 @@ __device__ __forceinline__ TokenCtx token_ctx(const SparseAttnArgs& a, int64_t t
   return c;
 }
 
+// A read-only int load that stays where it is written (volatile asm): the kernel issues the gathers' index loads a
+// tile or two before their use, and a plain __ldg may be sunk by the compiler next to its first use, where the
+// warp then waits a whole memory latency (Nsight Compute showed it: the top long-scoreboard stalls of the kernel).
+__device__ __forceinline__ int ld_index(const int32_t* p) {
+  int v;
+  asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
 // Entry number of an entry slot (CSA: the index list's value), -1 for no key. Not loaded when !live.
 __device__ __forceinline__ int load_j(const SparseAttnArgs& a, const TokenCtx& c, int slot, bool live) {
   if (!live || slot < a.window || slot >= c.end_slot) return -1;
   const int e = slot - a.window;
   if (a.entry_idx == nullptr) return e;
-  return __ldg(a.entry_idx + c.t * a.idx_stride + e);
+  return ld_index(a.entry_idx + c.t * a.idx_stride + e);
 }
 
 // Pool block of entry j (clamped into the pool), -1 for no key.
@@ -88,7 +97,7 @@ __device__ __forceinline__ int load_blk(const SparseAttnArgs& a, const TokenCtx&
   if (slot < a.window || j < 0 || j >= c.n_vis) return -1;
   const int64_t cap = a.bt_cols * a.per_block;
   const int64_t jc = j < cap ? j : cap - 1;  // as the reference's clamp
-  const int b = __ldg(a.block_table + c.r * a.bt_stride + jc / a.per_block);
+  const int b = ld_index(a.block_table + c.r * a.bt_stride + jc / a.per_block);
   return b < 0 ? 0 : (b >= a.n_blocks ? static_cast<int>(a.n_blocks - 1) : b);
 }
 
@@ -290,13 +299,16 @@ struct MmaCfg {
   static constexpr int kRows = 16 * MT;          // heads per CTA
   static constexpr int kDh = D / 2;              // output columns (and S partial dims) per warp
   static constexpr int kNTiles = kDh / 8;        // output n8 tiles per warp
-  static constexpr int kRowBytes = 2 * D;        // an fp16 row; a staging slot (a bf16 or FP8 row fits)
+  static constexpr int kRowBytes = 2 * D;        // an fp16 row
+  // a staging slot (a bf16 or FP8 row fits), 16 bytes more than a row: the converter's lanes take consecutive keys,
+  // whose slots then start 4 banks apart (conflict-free 16-byte reads)
+  static constexpr int kStageRowBytes = kRowBytes + 16;
   static constexpr int kChunks = D / 8;          // 16-byte chunks per fp16 row
   static constexpr int kTpk = kThreads / kNT;    // loader threads per key
   static constexpr int kQOff = 0;                // Q [D/64][kRows][128 B] fp16, swizzled
   static constexpr int kKOff = kQOff + kRows * kRowBytes;     // K tile [D/64][kNT][128 B] fp16, swizzled
   static constexpr int kStageOff = kKOff + kNT * kRowBytes;   // raw rows of the next tile
-  static constexpr int kXsOff = kStageOff + kNT * kRowBytes;  // S halves exchanged by warp pairs
+  static constexpr int kXsOff = kStageOff + kNT * kStageRowBytes;  // S halves exchanged by warp pairs
   static constexpr int kKindOff = kXsOff + kWarps * 32 * 32 * 4;
   static constexpr int kSmem = kKindOff + 2 * kNT + 1024;     // + alignment of the base to 1024 bytes
   static_assert(kThreads % kNT == 0 && D % 64 == 0, "tile shape");
@@ -315,7 +327,7 @@ __device__ __forceinline__ void issue_key(const Src& src, uint32_t stage, uint8_
                                           int fp8_chunks) {
   using C = MmaCfg<D, MT>;
   if (sub == 0) kinds[key] = static_cast<uint8_t>(src.kind);
-  const uint32_t row = stage + key * C::kRowBytes;
+  const uint32_t row = stage + key * C::kStageRowBytes;
   if (src.kind == kKindBf16) {
     for (int c = sub; c < C::kChunks; c += C::kTpk) cp_async16(row + c * 16, src.ptr + c * 16, true);
   } else if (src.kind == kKindFp8) {
@@ -323,28 +335,48 @@ __device__ __forceinline__ void issue_key(const Src& src, uint32_t stage, uint8_
   }
 }
 
-// Staging tile (raw rows) -> swizzled fp16 K tile; absent keys become zero rows.
+// Staging tile (raw rows) -> swizzled fp16 K tile; absent keys become zero rows. A thread takes one key and every
+// (kThreads / kNT)-th 64-dim atom of it (the lanes of a warp: 32 consecutive keys, one atom): an FP8 atom is one
+// scale block (its scale read once), the rope atom of an FP8 row and the atoms of a bf16 row are 128 contiguous
+// bytes; all loads of an atom are issued before its first conversion.
 template <int D, int MT>
 __device__ __forceinline__ void convert_tile(const uint8_t* stage, uint8_t* kdst, const uint8_t* kinds, int nope,
                                              int exp_off, int tid) {
   using C = MmaCfg<D, MT>;
-  for (int idx = tid; idx < kNT * C::kChunks; idx += C::kThreads) {
-    const int key = idx / C::kChunks, c = idx % C::kChunks;
-    const uint8_t* row = stage + key * C::kRowBytes;
-    const int kind = kinds[key];
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (kind == kKindBf16) {
-      v = bf16x8_to_half8(*reinterpret_cast<const uint4*>(row + c * 16));
-    } else if (kind == kKindFp8) {
-      const int d0 = c * 8;
-      if (d0 < nope) {
-        const __half sc = __float2half_rn(scale_from_byte(row[exp_off + d0 / kFp8Block]));
-        v = fp8x8_to_half8(*reinterpret_cast<const uint2*>(row + d0), __half2(sc, sc));
-      } else {
-        v = bf16x8_to_half8(*reinterpret_cast<const uint4*>(row + nope + 2 * (d0 - nope)));
+  const int key = tid % kNT;
+  const int kind = kinds[key];
+  const uint8_t* row = stage + key * C::kStageRowBytes;
+  constexpr int kStep = C::kThreads / kNT, kItems = (D / 64 + kStep - 1) / kStep;
+#pragma unroll 2
+  for (int i = 0; i < kItems; ++i) {
+    const int atom = tid / kNT + i * kStep;
+    if (atom >= D / 64) break;
+    uint4 v[8];
+    if (kind == kKindFp8 && atom * 64 < nope) {
+      const uint4* src = reinterpret_cast<const uint4*>(row + atom * 64);
+      uint4 raw[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) raw[j] = src[j];
+      const __half sc = __float2half_rn(scale_from_byte(row[exp_off + atom]));
+      const __half2 sc2 = __half2(sc, sc);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        v[2 * j] = fp8x8_to_half8(make_uint2(raw[j].x, raw[j].y), sc2);
+        v[2 * j + 1] = fp8x8_to_half8(make_uint2(raw[j].z, raw[j].w), sc2);
       }
+    } else if (kind == kKindFp8 || kind == kKindBf16) {
+      const uint4* src = reinterpret_cast<const uint4*>(kind == kKindFp8 ? row + nope + 2 * (atom * 64 - nope)
+                                                                        : row + atom * 128);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = src[j];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = bf16x8_to_half8(v[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = make_uint4(0, 0, 0, 0);
     }
-    *reinterpret_cast<uint4*>(kdst + swz<kNT>(key, c)) = v;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) *reinterpret_cast<uint4*>(kdst + swz<kNT>(key, atom * 8 + j)) = v[j];
   }
 }
 
@@ -542,14 +574,25 @@ __global__ void __launch_bounds__(64 * MT, 1) sparse_attn_mma_kernel(const Spars
     {  // Q rows of the head group as fp16 (rows past H: zeros)
       const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(a.q);
       uint8_t* qd = smem + C::kQOff;
-      for (int idx = tid; idx < C::kRows * C::kChunks; idx += C::kThreads) {
-        const int row = idx / C::kChunks, c = idx % C::kChunks;
-        const int h = hg * C::kRows + row;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (h < a.heads)
-          v = bf16x8_to_half8(*reinterpret_cast<const uint4*>(qb + t * a.q_stride_t +
-                                                              static_cast<int64_t>(h) * a.q_stride_h + c * 8));
-        *reinterpret_cast<uint4*>(qd + swz<C::kRows>(row, c)) = v;
+      // 16-byte chunks a thread, in rounds of up to 8 loads issued before their first use
+      constexpr int kPer = C::kRows * C::kChunks / C::kThreads, kRound = kPer < 8 ? kPer : 8;
+      static_assert(C::kRows * C::kChunks % C::kThreads == 0 && kPer % kRound == 0, "Q chunks");
+#pragma unroll 1
+      for (int i0 = 0; i0 < kPer; i0 += kRound) {
+        uint4 v[kRound];
+#pragma unroll
+        for (int i = 0; i < kRound; ++i) {
+          const int idx = tid + (i0 + i) * C::kThreads, row = idx / C::kChunks, c = idx % C::kChunks;
+          const int h = hg * C::kRows + row;
+          v[i] = h < a.heads ? *reinterpret_cast<const uint4*>(qb + t * a.q_stride_t +
+                                                                static_cast<int64_t>(h) * a.q_stride_h + c * 8)
+                             : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < kRound; ++i) {
+          const int idx = tid + (i0 + i) * C::kThreads, row = idx / C::kChunks, c = idx % C::kChunks;
+          *reinterpret_cast<uint4*>(qd + swz<C::kRows>(row, c)) = bf16x8_to_half8(v[i]);
+        }
       }
     }
     // gather indices ahead: block ids of the next tile, list entries of the one after
