@@ -92,13 +92,18 @@ __device__ __forceinline__ int load_j(const SparseAttnArgs& a, const TokenCtx& c
   return ld_index(a.entry_idx + c.t * a.idx_stride + e);
 }
 
-// Pool block of entry j (clamped into the pool), -1 for no key.
+// Whether entry slot `slot` with list value j is a key: visible, and inside the pool.
+__device__ __forceinline__ bool entry_live(const TokenCtx& c, int window, int slot, int j) {
+  return slot >= window && j >= 0 && j < c.n_vis;
+}
+
+// Raw block-table value of entry j (0 when the slot holds no entry key; resolve() clamps it). The clamp is left to
+// the use, a tile later: applied here, it would stand right behind the load and wait for it.
 __device__ __forceinline__ int load_blk(const SparseAttnArgs& a, const TokenCtx& c, int slot, int j) {
-  if (slot < a.window || j < 0 || j >= c.n_vis) return -1;
+  if (!entry_live(c, a.window, slot, j)) return 0;
   const int64_t cap = a.bt_cols * a.per_block;
   const int64_t jc = j < cap ? j : cap - 1;  // as the reference's clamp
-  const int b = ld_index(a.block_table + c.r * a.bt_stride + jc / a.per_block);
-  return b < 0 ? 0 : (b >= a.n_blocks ? static_cast<int>(a.n_blocks - 1) : b);
+  return ld_index(a.block_table + c.r * a.bt_stride + jc / a.per_block);
 }
 
 struct Src {
@@ -123,7 +128,8 @@ __device__ __forceinline__ Src resolve(const SparseAttnArgs& a, const TokenCtx& 
     }
     return s;
   }
-  if (blk < 0) return s;
+  if (!entry_live(c, a.window, slot, j)) return s;
+  blk = blk < 0 ? 0 : (blk >= a.n_blocks ? static_cast<int>(a.n_blocks - 1) : blk);  // clamped into the pool
   const int64_t cap = a.bt_cols * a.per_block;
   const int64_t jc = j < cap ? j : cap - 1;
   s.ptr = static_cast<const uint8_t*>(a.entry_cache) +
@@ -153,13 +159,9 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  const int n = valid ? 16 : 0;  // 0: zero-fill
+// 16 bytes to shared memory, of which the first n (<= 16) are read from src and the rest are zero.
+__device__ __forceinline__ void cp_async16n(uint32_t dst, const void* src, int n) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-
-__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
 }
 
 
@@ -321,17 +323,32 @@ __device__ __forceinline__ uint32_t swz(int row, int c) {
   return static_cast<uint32_t>((c >> 3) * (ROWS * 128) + row * 128 + (((c & 7) ^ (row & 7)) << 4));
 }
 
-// This thread's share of one key row: the raw row (bf16 values or the FP8 layout) to its staging slot.
+// Flag in a key's kinds byte: its FP8 row starts 8 bytes into its staging slot (see issue_key).
+constexpr int kShift8 = 0x40;
+
+// This thread's share of one key row: the raw row (bf16 values or the FP8 layout) to its staging slot, in 16-byte
+// copies. FP8 rows (fp8_bytes, a multiple of 8) are 8-byte aligned: an odd one is copied from 8 bytes before its start
+// (the end of the previous row of the same cache: a row that is not 16-byte aligned is never the first of its
+// allocation) and lands 8 bytes into its slot (kShift8); an even one's last copy reads its 8 remaining bytes only.
 template <int D, int MT>
 __device__ __forceinline__ void issue_key(const Src& src, uint32_t stage, uint8_t* kinds, int key, int sub,
-                                          int fp8_chunks) {
+                                          int fp8_bytes) {
   using C = MmaCfg<D, MT>;
-  if (sub == 0) kinds[key] = static_cast<uint8_t>(src.kind);
   const uint32_t row = stage + key * C::kStageRowBytes;
   if (src.kind == kKindBf16) {
-    for (int c = sub; c < C::kChunks; c += C::kTpk) cp_async16(row + c * 16, src.ptr + c * 16, true);
+    if (sub == 0) kinds[key] = static_cast<uint8_t>(src.kind);
+    for (int c = sub; c < C::kChunks; c += C::kTpk) cp_async16n(row + c * 16, src.ptr + c * 16, 16);
   } else if (src.kind == kKindFp8) {
-    for (int c = sub; c < fp8_chunks; c += C::kTpk) cp_async8(row + c * 8, src.ptr + c * 8);
+    const int shift = static_cast<int>(reinterpret_cast<uintptr_t>(src.ptr) & 8);
+    if (sub == 0) kinds[key] = static_cast<uint8_t>(src.kind | (shift ? kShift8 : 0));
+    const uint8_t* base = src.ptr - shift;
+    const int bytes = fp8_bytes + shift;
+    for (int c = sub; c * 16 < bytes; c += C::kTpk) {
+      const int rem = bytes - c * 16;
+      cp_async16n(row + c * 16, base + c * 16, rem < 16 ? rem : 16);
+    }
+  } else if (sub == 0) {
+    kinds[key] = static_cast<uint8_t>(src.kind);
   }
 }
 
@@ -344,29 +361,34 @@ __device__ __forceinline__ void convert_tile(const uint8_t* stage, uint8_t* kdst
                                              int exp_off, int tid) {
   using C = MmaCfg<D, MT>;
   const int key = tid % kNT;
-  const int kind = kinds[key];
-  const uint8_t* row = stage + key * C::kStageRowBytes;
+  const int kind = kinds[key] & ~kShift8;
+  const uint8_t* row = stage + key * C::kStageRowBytes + (kinds[key] & kShift8 ? 8 : 0);
   constexpr int kStep = C::kThreads / kNT, kItems = (D / 64 + kStep - 1) / kStep;
 #pragma unroll 2
   for (int i = 0; i < kItems; ++i) {
     const int atom = tid / kNT + i * kStep;
     if (atom >= D / 64) break;
     uint4 v[8];
-    if (kind == kKindFp8 && atom * 64 < nope) {
-      const uint4* src = reinterpret_cast<const uint4*>(row + atom * 64);
-      uint4 raw[4];
+    if (kind == kKindFp8 && atom * 64 < nope) {  // FP8 rows: 8-byte aligned in their slot
+      const uint2* src = reinterpret_cast<const uint2*>(row + atom * 64);
+      uint2 raw[8];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) raw[j] = src[j];
+      for (int j = 0; j < 8; ++j) raw[j] = src[j];
       const __half sc = __float2half_rn(scale_from_byte(row[exp_off + atom]));
       const __half2 sc2 = __half2(sc, sc);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        v[2 * j] = fp8x8_to_half8(make_uint2(raw[j].x, raw[j].y), sc2);
-        v[2 * j + 1] = fp8x8_to_half8(make_uint2(raw[j].z, raw[j].w), sc2);
+      for (int j = 0; j < 8; ++j) v[j] = fp8x8_to_half8(raw[j], sc2);
+    } else if (kind == kKindFp8) {  // the rope dims of an FP8 row: bf16
+      const uint2* src = reinterpret_cast<const uint2*>(row + nope + 2 * (atom * 64 - nope));
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint2 lo = src[2 * j], hi = src[2 * j + 1];
+        v[j] = make_uint4(lo.x, lo.y, hi.x, hi.y);
       }
-    } else if (kind == kKindFp8 || kind == kKindBf16) {
-      const uint4* src = reinterpret_cast<const uint4*>(kind == kKindFp8 ? row + nope + 2 * (atom * 64 - nope)
-                                                                        : row + atom * 128);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = bf16x8_to_half8(v[j]);
+    } else if (kind == kKindBf16) {
+      const uint4* src = reinterpret_cast<const uint4*>(row + atom * 128);
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] = src[j];
 #pragma unroll
@@ -551,7 +573,7 @@ __global__ void __launch_bounds__(64 * MT, 1) sparse_attn_mma_kernel(const Spars
   const int te = tb + tps < n_tiles ? tb + tps : n_tiles;
   const int key = tid / C::kTpk, sub = tid % C::kTpk;
   const int nope = D - a.rope_dim, exp_off = nope + 2 * a.rope_dim;
-  const int fp8_chunks = (exp_off + nope / kFp8Block + 7) / 8;
+  const int fp8_bytes = exp_off + nope / kFp8Block;  // an FP8 row: values, rope, scales
   uint8_t* kinds = smem + C::kKindOff;
   float* xs = reinterpret_cast<float*>(smem + C::kXsOff);
   const uint32_t q_s = smem_u32(smem + C::kQOff), k_s = smem_u32(smem + C::kKOff);
@@ -568,7 +590,7 @@ __global__ void __launch_bounds__(64 * MT, 1) sparse_attn_mma_kernel(const Spars
     {
       const int slot = cur * kNT + key;
       const int j = load_j(a, ctx, slot, true);
-      issue_key<D, MT>(resolve(a, ctx, slot, j, load_blk(a, ctx, slot, j)), stage, kinds, key, sub, fp8_chunks);
+      issue_key<D, MT>(resolve(a, ctx, slot, j, load_blk(a, ctx, slot, j)), stage, kinds, key, sub, fp8_bytes);
       cp_async_commit();
     }
     {  // Q rows of the head group as fp16 (rows past H: zeros)
@@ -611,7 +633,7 @@ __global__ void __launch_bounds__(64 * MT, 1) sparse_attn_mma_kernel(const Spars
       __syncthreads();  // the K tile is complete; the staging tile is free
       if (n1 < te) {
         issue_key<D, MT>(resolve(a, ctx, n1 * kNT + key, j1, b1), stage, kinds + (par ^ 1) * kNT, key, sub,
-                         fp8_chunks);
+                         fp8_bytes);
         cp_async_commit();
       }
       const int b2 = load_blk(a, ctx, n2 * kNT + key, j2);
