@@ -244,9 +244,21 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const float
                                                                      float scale, float* __restrict__ weights,
                                                                      int32_t* __restrict__ ids) {
   pdl_launch_dependents();  // see "Routers" above: the successor may start while this waits for the logits
-  pdl_wait();
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouteWarps + (threadIdx.x >> 5);
+  // The bias is a weight, no predecessor's output: its loads are in flight before the wait (at decode the memory
+  // system is busy with the shared expert's weights, so a load after the wait would lengthen the routing chain).
+  float bv[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int e = j * 32 + lane;
+    bv[j] = 0.0f;
+    if (e < n_experts) {
+      bv[j] = bias_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(bias)[e])
+                        : static_cast<const float*>(bias)[e];
+    }
+  }
+  pdl_wait();
   if (t >= n_tokens) return;
   const float* row = logits + t * n_experts;
   float sel[J], sc[J];
@@ -257,10 +269,8 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const float
     sc[j] = 0.0f;
     sel[j] = 0.0f;
     if (e < n_experts) {
-      const float b = bias_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(bias)[e])
-                                : static_cast<const float*>(bias)[e];
       sc[j] = sqrt_softplus(row[e]);
-      sel[j] = sc[j] + b;
+      sel[j] = sc[j] + bv[j];
     } else {
       taken |= 1u << j;
     }
