@@ -10,8 +10,8 @@
 //
 // Tensor-core path (q bf16, caches bf16 or FP8 rows, D in {128, 512}): one CTA per (token, group of 16 or 64 heads,
 // key split); the heads are the M dimension (MQA: all heads share the keys). Per tile of 64 key slots: the raw rows
-// land in a staging tile by cp.async while the previous tile is computed (the gathers' indices are loaded two tiles
-// ahead), then are dequantised into a swizzled fp16 tile. Warp (m, h) owns 16 heads and one half of D (for 64 heads:
+// land in a staging tile by 16-byte cp.async while the previous tile is computed (the gathers' indices are loaded
+// two tiles ahead), then are dequantised into a swizzled fp16 tile, a thread per key and 64-dim atom. Warp (m, h) owns 16 heads and one half of D (for 64 heads:
 // warpgroup h): S = Q K^T over its half, the pair's halves summed through shared memory (both warps then hold the
 // same S), fp32 online softmax in registers, P times V = K for its half of the output columns. 64-head groups of
 // D = 512 use wgmma on sm_90a, the rest mma.sync m16n8k16.
@@ -972,7 +972,9 @@ int sparse_attn_splits(const SparseAttnArgs& a) {
   const int rows = mt_for(a) == 4 ? 64 : 16;
   const int64_t units = a.n_tokens * ((a.heads + rows - 1) / rows);
   const int64_t slots = static_cast<int64_t>(num_sms()) * mma_ctas_per_sm(a);
-  // modelled time: waves x tiles per CTA x a tile's time (about 8 us for 64 heads of D = 512, measured on an H200),
+  // modelled time: waves x tiles per CTA x a tile's time (about 8 us for 64 heads of D = 512, measured on an H200
+  // before the convert and gather rework, which brought the decode benchmark from 97 to 62 us on an H100: the
+  // model is kept as it was fitted, since only the ratio to the combine cost matters),
   // plus, when split, the partials written and read back (fp32 rows of every head and column, L2-resident at these
   // sizes: 4 TB/s) and the combine. Batch 1 at a 1M-token HCA context: one tile a CTA, 131 splits (30.2 us on an
   // H200 against 32.3 us for the 66 splits that 2 TB/s chose).
