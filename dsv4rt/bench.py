@@ -141,7 +141,9 @@ def profile_replay(rt: Runtime, bucket: int, top: int = 20, iters: int = 3, out=
 
 
 def hf_decode_ms(model: Model, batch: int, context: int, iters: int = 5) -> Optional[float]:
-    """HF transformers eager, same weights, same card: ms per decode step after a `context`-token prefill."""
+    """HF transformers eager, same weights, same card: ms per decode step after a `context`-token prefill. None when
+    transformers is missing or the HF model runs out of device memory (its eager prefill materialises the attention
+    matrix: batch 8 at 4K needs more than an 80 GB card has left next to the runtime); the table then shows "-"."""
     try:
         from transformers import DynamicCache
     except ImportError:
@@ -149,21 +151,28 @@ def hf_decode_ms(model: Model, batch: int, context: int, iters: int = 5) -> Opti
     from .hf import hf_model_for
 
     cfg = model.cfg
-    hf = hf_model_for(model)
-    ids = torch.randint(0, cfg.vocab_size, (batch, context), device=model.device)
-    with torch.no_grad():
-        past = DynamicCache(config=hf.config)
-        hf(input_ids=ids, past_key_values=past, use_cache=True)
-        tok = ids[:, -1:]
-        hf(input_ids=tok, past_key_values=past, use_cache=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters):
+    hf = past = None
+    try:
+        hf = hf_model_for(model)
+        ids = torch.randint(0, cfg.vocab_size, (batch, context), device=model.device)
+        with torch.no_grad():
+            past = DynamicCache(config=hf.config)
+            hf(input_ids=ids, past_key_values=past, use_cache=True)
+            tok = ids[:, -1:]
             hf(input_ids=tok, past_key_values=past, use_cache=True)
-        torch.cuda.synchronize()
-    del hf, past
-    torch.cuda.empty_cache()
-    return (time.perf_counter() - t0) * 1e3 / iters
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                hf(input_ids=tok, past_key_values=past, use_cache=True)
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3 / iters
+    except torch.OutOfMemoryError as e:
+        print(f"HF eager baseline skipped at batch {batch}, context {context}: out of device memory "
+              f"({str(e).splitlines()[0]})", file=sys.stderr, flush=True)
+        return None
+    finally:
+        del hf, past
+        torch.cuda.empty_cache()
 
 
 def run(preset: str = "tiny", layers: Optional[int] = None, experts: Optional[int] = None,

@@ -19,3 +19,19 @@ def test_distinct_experts_counts_each_moe_layer():
     seen = bench._distinct_experts(rt, 2)
     assert len(seen) == cfg.num_layers  # one moe_experts call a layer, whatever keyword options it passes
     assert all(1 <= n <= min(cfg.n_experts, 2 * cfg.n_active) for n in seen)
+
+
+def test_hf_baseline_out_of_memory_gives_no_number(monkeypatch, capsys):
+    """An HF eager baseline that runs out of device memory leaves "-" in the table instead of ending the run."""
+    import dsv4rt.hf
+
+    def oom(model):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB.")
+
+    monkeypatch.setattr(dsv4rt.hf, "hf_model_for", oom)
+    model = dsv4rt.Model.random(ModelConfig.tiny(), seed=0, dtype=torch.float32)
+    assert bench.hf_decode_ms(model, batch=8, context=64) is None
+    err = capsys.readouterr().err
+    assert "HF eager baseline skipped at batch 8, context 64: out of device memory" in err
+    row = bench.Row("tiny", 8, 64, 1.0, 0.25, 0.5, None, 0.1)
+    assert "| - | - |" in row.markdown()
