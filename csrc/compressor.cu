@@ -1,10 +1,10 @@
 // KV compressor family (ops/compressor.py): store a step's (kv, score + ape) rows and emit the entry of every
 // window that closes in the step. One launch per compressor per step, decode and prefill chunks alike.
-// Overlap compressors (CSA main and indexer: buffered state rows) run the general kernel (below) or, opt-in, the
-// small-call kernel; the no-overlap compressor (HCA: the open window as an online softmax state) runs
-// compressor_online_kernel ("no overlap" section) and, in long calls, compressor_bulk_kernel behind it for the
-// windows that read no state ("the bulk grid" section). The first two are written for any c; since the online
-// state, the launcher sends them overlap calls only.
+// Overlap compressors (CSA main and indexer: buffered state rows) run the general kernel (below); the no-overlap
+// compressor (HCA: the open window as an online softmax state) runs compressor_online_kernel ("no overlap"
+// section) and, in long calls, compressor_bulk_kernel behind it for the windows that read no state ("the bulk grid"
+// section). The general kernel is written for any c; since the online state, the launcher sends it overlap calls
+// only.
 //
 // Grid (from the shapes only): the tokens are cut into chunks of consecutive tokens; a cluster of K CTAs takes one
 // chunk, CTA k the channel slice [k*d/K, (k+1)*d/K) (of both halves with overlap). In a CTA:
@@ -34,9 +34,6 @@
 //     row's columns writes the new row's, so no barrier is needed;
 //   * every other new open token writes its own row: nobody reads that row in this step.
 // A request with no closing window reads no state, and each of its tokens writes its own open row.
-// DSV4RT_COMPRESSOR_SMALL=1 opts into compressor_small_kernel (see "small calls" below and pick_small for why it is
-// not the default): the same work and protocol with no barrier before the row loads, one load round an entry, and
-// no cluster barrier for tokens that close nothing.
 // Launched with programmatic stream serialization: the next launch on the stream may be scheduled while this grid
 // runs; every grid waits for the previous one's completion (griddepcontrol.wait) before it touches memory.
 #include <cmath>
@@ -381,7 +378,7 @@ struct Consts {
 };
 
 // The thread's place in a CTA that takes a channel slice of a.d / a.cluster channels (cluster rank = slice) with
-// a.groups slot groups (the general, small-call and bulk kernels).
+// a.groups slot groups (the general and bulk kernels).
 __device__ __forceinline__ Ctx slice_ctx(const CompressorArgs& a) {
   Ctx x;
   x.K = a.cluster;
@@ -914,300 +911,6 @@ __global__ void __launch_bounds__(kMaxThreads) compressor_update_kernel(const __
   if (x.K > 1 && n_close > 0) cluster_sync();  // no CTA exits while another may still read its shared memory
 }
 
-// ------------------------------------------------------------------ small calls (decode)
-// A CTA (or a cluster of K CTAs over channel slices, as above) takes `chunk` consecutive tokens, by default one (a
-// few for the HCA's clusters, so that the grid stays about one CTA an SM). There is no barrier before the row loads:
-// every warp loads the chunk's metadata itself (lane i: token i) and ballots the row-writing and closing tokens.
-//   * row-writing tokens: their rows are copied by the whole CTA at once (16-byte loads, all before the stores);
-//   * closing tokens, one after another: thread (quad, g) pools slots j = g, g + G, ... of its quad's 4 channels in
-//     one load round of up to kSmallSlots slots (the default G makes it one round: G = 1 for the CSA windows, whose
-//     8 slots a thread then holds; HCA: 16 groups of 8 slots). With G == 1 and overlap, the owner copies its overlap
-//     rows inside that round (pool_fused_all). Groups merge through warp shuffles, then shared memory (one barrier);
-//     the sum of squares through a warp sum, shared memory when the slice spans several warps, and (K > 1) each
-//     CTA's sum pushed into every CTA of the cluster ahead of one cluster barrier, so that no CTA reads another's
-//     shared memory after it and a CTA that closes nothing never waits on one.
-// The owner protocol, the state writes and the entry post-processing (store_entry) are the general kernel's.
-constexpr int kSmallSlots = 8;         // slots a thread loads in one round
-constexpr int kSmallMaxThreads = 256;
-constexpr int kSmallMaxChunk = 32;     // a token a lane
-constexpr int kMaxCluster = 8;
-
-struct SmallShared {
-  float4* part;  // [2][3][n_lead][quads]: the leader groups' partials (n_lead > 1), two entries in flight
-  float* red;    // [2][kMaxWarps]: per-warp sums of squares
-  float* cred;   // [2][kMaxCluster]: the cluster's per-CTA sums, pushed by each CTA
-  float* had;    // [4 * quads]: FP4 Hadamard butterflies across warps
-};
-
-// Groups left after the warp-shuffle merge: with fewer than 32 quads a warp holds 32 / quads groups and merges them
-// into its lanes < quads (one leader group a warp), else every group is a leader.
-__host__ __device__ inline int small_leaders(int threads, int quads, int groups) {
-  return quads < 32 ? threads / 32 : groups;
-}
-
-__host__ __device__ inline size_t small_smem_bytes(int threads, int quads, int groups, int had) {
-  const int nl = small_leaders(threads, quads, groups);
-  return sizeof(float4) * (nl > 1 ? static_cast<size_t>(6) * nl * quads : 0) +
-         sizeof(float) * (2 * kMaxWarps + 2 * kMaxCluster + had);
-}
-
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_arrive_release() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait_acquire() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ int nth_set_bit(unsigned mask, int k) {
-  for (int i = 0; i < k; ++i) mask &= mask - 1u;
-  return __ffs(mask) - 1;
-}
-
-// Pooling of the owner whose entry w is the last closed window, with G == 1 (the thread holds every slot of its
-// columns): A halves of window w-1 (slots u < kHalf), B halves of window w (slots kHalf + u) and, for the overlap
-// copy, window w's A halves, in one load round; then overlap row u <- window w's row u in the thread's columns. The
-// thread read overlap row u's old columns itself (slot u, here or in the owner's first entry; nobody reads the B
-// columns of overlap rows), so its stores need no barrier.
-__device__ void pool_fused_all(const CompressorArgs& a, const Ctx& x, const Tok& tk, int w, Pool& ps) {
-  constexpr int kHalf = kSmallSlots / 2;
-  const int m = a.ratio, d = a.d;
-  const int64_t cw = 2 * static_cast<int64_t>(d);
-  const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  float4 v[kSmallSlots], s[kSmallSlots], fv[kHalf], fs[kHalf];
-  bool ok[kSmallSlots];
-  // each row completed as it loads (12 pending rows would spill at this kernel's 128 registers)
-#pragma unroll
-  for (int u = 0; u < kHalf; ++u) {
-    const bool in = u < m;
-    const int qa = (w - 1) * m + u;
-    ok[u] = in && qa >= 0;  // window -1 of the first entry: weight 0
-    ok[kHalf + u] = in;
-    done_pair(ok[u] ? issue_pair(a, row_ref(a, tk, qa, u), u, x.col) : no_pair(), v[u], s[u]);
-    v[kHalf + u] = s[kHalf + u] = fv[u] = fs[u] = zero;
-    if (in) {
-      const RowRef rr = row_ref(a, tk, w * m + u, u);
-      done_pair(issue_pair(a, rr, u, d + x.col), v[kHalf + u], s[kHalf + u]);
-      done_pair(issue_pair(a, rr, u, x.col), fv[u], fs[u]);
-    }
-  }
-  const int64_t base = static_cast<int64_t>(tk.r) * 2 * m * cw;
-#pragma unroll
-  for (int u = 0; u < kHalf; ++u) {
-    if (u < m) {
-      const int64_t row = base + u * cw;
-      st4(a.kv_state + row + x.col, fv[u]);
-      st4(a.kv_state + row + d + x.col, v[kHalf + u]);
-      st4(a.score_state + row + x.col, fs[u]);
-      st4(a.score_state + row + d + x.col, s[kHalf + u]);
-    }
-  }
-  reduce_batch(v, s, ok, ps);
-}
-
-// The groups' partials merged (fixed order), then cast, the sum of squares over the slice and the cluster, and
-// store_entry. Every thread of the CTA calls it. `pending`: the cluster barrier phase that the kernel opened (so
-// that every CTA of the cluster has started before shared memory is written across it) is still to be waited on.
-template <typename OutT, int QUANT>
-__device__ void small_finish(const CompressorArgs& a, const Ctx& x, const SmallShared& sh, const Consts& cs,
-                             const Rot& rt, const Dest& dst, Pool& ps, int round, int n_lead, bool& pending) {
-  const int lane = x.tid & 31, warp = x.tid >> 5, buf = round & 1;
-  if (x.G > 1) {
-    if (x.quads < 32) {  // lanes quad, quad + quads, ... of a warp hold groups of the same channels
-      for (int o = x.quads; o < 32; o <<= 1) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const float m2 = __shfl_xor_sync(0xffffffffu, ps.mx[k], o);
-          const float z2 = __shfl_xor_sync(0xffffffffu, ps.z[k], o);
-          const float a2 = __shfl_xor_sync(0xffffffffu, ps.acc[k], o);
-          merge_into(ps.mx[k], ps.z[k], ps.acc[k], m2, z2, a2);
-        }
-      }
-    }
-    if (n_lead > 1) {
-      const int lead = x.quads < 32 ? warp : x.g;
-      const bool leader = x.quads < 32 ? lane < x.quads : true;
-      float4* pm = sh.part + static_cast<size_t>(buf) * 3 * n_lead * x.quads;
-      float4* pz = pm + n_lead * x.quads;
-      float4* pa = pz + n_lead * x.quads;
-      if (leader && lead > 0 && lead < n_lead) {
-        const int i = lead * x.quads + x.quad;
-        pm[i] = make_float4(ps.mx[0], ps.mx[1], ps.mx[2], ps.mx[3]);
-        pz[i] = make_float4(ps.z[0], ps.z[1], ps.z[2], ps.z[3]);
-        pa[i] = make_float4(ps.acc[0], ps.acc[1], ps.acc[2], ps.acc[3]);
-      }
-      __syncthreads();
-      if (x.post) {
-        for (int l = 1; l < n_lead; ++l) {
-          const int i = l * x.quads + x.quad;
-          const float4 m2 = pm[i], z2 = pz[i], a2 = pa[i];
-#pragma unroll
-          for (int k = 0; k < 4; ++k) merge_into(ps.mx[k], ps.z[k], ps.acc[k], comp(m2, k), comp(z2, k), comp(a2, k));
-        }
-      }
-    }
-  }
-
-  float val[4];
-  float ss = 0.0f;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    val[k] = x.post ? round_to<OutT>(__fdiv_rn(ps.acc[k], ps.z[k])) : 0.0f;
-    ss = __fmaf_rn(val[k], val[k], ss);
-  }
-  float tot = warp_sum(ss);
-  if (x.post_warps > 1) {
-    if (lane == 0 && warp < x.post_warps) sh.red[buf * kMaxWarps + warp] = tot;
-    __syncthreads();
-    tot = 0.0f;
-    for (int i = 0; i < x.post_warps; ++i) tot = __fadd_rn(tot, sh.red[buf * kMaxWarps + i]);
-  }
-  if (x.K > 1) {
-    if (pending) {
-      cluster_wait_acquire();
-      pending = false;
-    }
-    if (x.tid == 0) {
-      float* slot = sh.cred + buf * kMaxCluster + x.rank;
-      for (int rr = 0; rr < x.K; ++rr) *cluster_map(slot, rr) = tot;
-    }
-    cluster_arrive_release();
-    cluster_wait_acquire();
-    tot = 0.0f;
-    for (int rr = 0; rr < x.K; ++rr) tot = __fadd_rn(tot, sh.cred[buf * kMaxCluster + rr]);
-  }
-  store_entry<OutT, QUANT>(a, x, sh.had, cs, rt, dst, val, tot);
-}
-
-// A closing token of a small call: its entry (the owner: entries w0 and w0 + 1), then the owner's state writes (as
-// process_closer).
-template <typename OutT, int QUANT>
-__device__ void small_closer(const CompressorArgs& a, const Ctx& x, const SmallShared& sh, const Consts& cs,
-                             const Tok& tk, int n_lead, int& round, bool& pending) {
-  const int m = a.ratio, c = a.c;
-  const int open_end = floor_div(tk.e, m) * m;
-  const int w = closed_window(a, tk);
-  const int w0 = tk.open_start / m, w_last = open_end / m - 1;
-  const bool owner = w == w0;
-  const bool second = owner && c == 2 && w0 + 1 <= w_last;
-  const bool fused = owner && c == 2 && x.G == 1 && 2 * m <= kSmallSlots && (second ? w0 + 1 == w_last : true);
-
-  Pool ps;
-  ps.init();
-  Dest dst = entry_dest(a, x, tk, w);
-  Rot rt = rope_rot(a, x, cs, w);
-  if (x.pools) {
-    if (fused && !second) {
-      pool_fused_all(a, x, tk, w, ps);
-    } else {
-      pool_regs<kSmallSlots>(a, x, tk, w, ps);
-    }
-  }
-  small_finish<OutT, QUANT>(a, x, sh, cs, rt, dst, ps, round++, n_lead, pending);
-  if (second) {
-    ps.init();
-    dst = entry_dest(a, x, tk, w0 + 1);
-    rt = rope_rot(a, x, cs, w0 + 1);
-    if (x.pools) {
-      if (fused) {
-        pool_fused_all(a, x, tk, w0 + 1, ps);
-      } else {
-        pool_regs<kSmallSlots>(a, x, tk, w0 + 1, ps);
-      }
-    }
-    small_finish<OutT, QUANT>(a, x, sh, cs, rt, dst, ps, round++, n_lead, pending);
-  }
-  if (!owner) return;
-
-  const int n_new = tk.e - open_end, n_read = tk.s - tk.open_start;
-  const int n_over = n_new < n_read ? n_new : n_read;
-  if ((c == 2 && !fused) || n_over > 0) __syncthreads();  // this CTA's reads of the pre-step state are done
-  if (c == 2 && !fused) {
-    copy_rows(a, x, tk, 0, w_last * m, m);
-    if (n_over > 0) __syncthreads();
-  }
-  if (n_over > 0) copy_rows(a, x, tk, (c - 1) * m, open_end, n_over);
-}
-
-// The chunk's row-writing tokens (lane mask `rows`; lane i holds token i's slot and position): (kv, score + ape)
-// rows to open row p mod m, this CTA's columns, kCopyUnroll 16-byte columns a thread loaded before they are stored.
-__device__ void small_write_rows(const CompressorArgs& a, const Ctx& x, int64_t t0, unsigned rows, int r_lane,
-                                 int p_lane) {
-  const int m = a.ratio, ncol = a.c * x.quads;
-  const int items = __popc(rows) * ncol, nthr = static_cast<int>(blockDim.x);
-  for (int i0 = 0; i0 < items; i0 += kCopyUnroll * nthr) {  // the same trip count in every lane (shuffles)
-    float4 v[kCopyUnroll], s[kCopyUnroll], ap[kCopyUnroll];
-    int64_t dst[kCopyUnroll];
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int idx = i0 + u * nthr + x.tid;
-      const bool in = idx < items;
-      const int k = in ? idx / ncol : 0;
-      const int li = nth_set_bit(rows, k);
-      const int r = __shfl_sync(0xffffffffu, r_lane, li);
-      const int pm = mod_pos(__shfl_sync(0xffffffffu, p_lane, li), m);
-      dst[u] = -1;
-      if (in) dst[u] = open_row_load(a, x, t0 + li, r, pm, idx - k * ncol, v[u], s[u], ap[u]);
-    }
-    open_rows_store(a, dst, v, s, ap);
-  }
-}
-
-template <typename OutT, int QUANT>
-__global__ void __launch_bounds__(kSmallMaxThreads, 2)
-    compressor_small_kernel(const __grid_constant__ CompressorArgs a) {
-  pdl_launch_dependents();
-  pdl_wait();  // the previous grid's writes are visible
-  extern __shared__ float4 smem[];
-  const Ctx x = slice_ctx(a);  // (g_half: unused here, the groups merge through shuffles)
-  const int n_lead = small_leaders(static_cast<int>(blockDim.x), x.quads, x.G);
-  SmallShared sh;
-  sh.part = smem;
-  sh.red = reinterpret_cast<float*>(smem + (n_lead > 1 ? 6 * n_lead * x.quads : 0));
-  sh.cred = sh.red + 2 * kMaxWarps;
-  sh.had = sh.cred + 2 * kMaxCluster;
-
-  // the chunk's metadata: lane i of every warp holds token t0 + i
-  const int m = a.ratio, lane = x.tid & 31;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x / x.K) * a.chunk;
-  int r = -1, p = 0, s = 0, e = 0, work = kNone;
-  if (lane < a.chunk && t0 + lane < a.n_tokens) {
-    const int64_t t = t0 + lane;
-    r = a.req_slot[t];
-    p = a.positions[t];
-    s = a.start_pos[t];
-    e = a.end_pos[t];
-    if (r >= 0 && r < a.n_slots) {
-      work = token_work(a, p, s, e);
-    } else {
-      r = -1;  // a PAD token
-    }
-  }
-  const Consts cs = load_consts(a, x);
-  const unsigned closers = __ballot_sync(0xffffffffu, work == kClose);
-  const unsigned rows = __ballot_sync(0xffffffffu, work == kWriteRow);
-  bool pending = false;
-  if (x.K > 1 && closers != 0u) {  // the same in every CTA of the cluster
-    cluster_arrive_relaxed();
-    pending = true;
-  }
-  if (rows != 0u) small_write_rows(a, x, t0, rows, r, p);
-  int round = 0;
-  for (unsigned cm = closers; cm != 0u; cm &= cm - 1u) {
-    const int li = __ffs(cm) - 1;
-    Tok tk;
-    tk.t = t0 + li;
-    tk.r = __shfl_sync(0xffffffffu, r, li);
-    tk.p = __shfl_sync(0xffffffffu, p, li);
-    tk.s = __shfl_sync(0xffffffffu, s, li);
-    tk.e = __shfl_sync(0xffffffffu, e, li);
-    tk.open_start = floor_div(tk.s, m) * m;
-    small_closer<OutT, QUANT>(a, x, sh, cs, tk, n_lead, round, pending);
-  }
-}
-
 // ------------------------------------------------------------------ launch configuration (shapes only)
 
 // ------------------------------------------------------------------ no overlap: online softmax state (HCA)
@@ -1635,44 +1338,6 @@ Config pick_config(const CompressorArgs& a) {
   return cfg;
 }
 
-// The small-call kernel's configuration, or false when the call goes to the general kernel. Opt-in:
-// DSV4RT_COMPRESSOR_SMALL=1 sends every call whose shapes it takes (a channel slice in one CTA of at most
-// kSmallMaxThreads threads; fewer than 32 quads a slice only if they divide a warp) to it; unset or 0, every call
-// goes to the general kernel. The CLUSTER, GROUPS, CHUNK and PDL variables apply to it as to the general kernel.
-// Why not the default (H200, decode batch 64, tests/bench/test_bench_cache_write.py, when HCA still buffered its
-// rows and ran these kernels): alone, HCA took 12.9 us here
-// against 13.4 us in the general kernel (52 against 69 us when every token closes), the CSA windows 7.9 / 8.2 against
-// 6.8 / 6.0 us; but with HCA on this kernel the three compressors replayed together took 31.8 us against 28.6 us all
-// on the general kernel (75 against 87 us when every token closes), a cost of mixing the two kernels not yet
-// understood. The issue's decode benchmark is the common case, so the general kernel stays the default.
-template <int QUANT>
-bool pick_small(const CompressorArgs& a, Config& cfg) {
-  constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
-  if (env_int("DSV4RT_COMPRESSOR_SMALL", 0) != 1) return false;
-  const int n_pool = a.c * a.ratio;
-  cfg.cluster = pick_cluster<QUANT>(a, kSmallMaxThreads);
-  if (cfg.cluster == 0) return false;
-  const int quads = a.d / cfg.cluster / 4;
-  if (quads < 32 && 32 % quads != 0) return false;
-  const int64_t sms = num_sms();
-  const int g_max = kSmallMaxThreads / quads;
-  int g = (n_pool + kSmallSlots - 1) / kSmallSlots;  // one load round
-  const int g_env = env_int("DSV4RT_COMPRESSOR_GROUPS", 0);
-  if (g_env > 0) g = g_env;
-  g = g < 1 ? 1 : (g > g_max ? g_max : (g > n_pool ? n_pool : g));
-  cfg.groups = g;
-  cfg.threads = (quads * g + 31) / 32 * 32;
-  // chunk: about one CTA an SM at most (the HCA's clusters take a few tokens each)
-  int chunk = pow2_ceil((a.n_tokens * cfg.cluster + sms - 1) / sms);
-  const int c_env = env_int("DSV4RT_COMPRESSOR_CHUNK", 0);
-  if (c_env > 0) chunk = c_env;
-  cfg.chunk = chunk < 1 ? 1 : (chunk > kSmallMaxChunk ? kSmallMaxChunk : chunk);
-  cfg.pipe = 0;
-  cfg.smem = small_smem_bytes(cfg.threads, quads, cfg.groups, had_floats(kFp4, quads));
-  cfg.pdl = env_int("DSV4RT_COMPRESSOR_PDL", 1) != 0;
-  return true;
-}
-
 // The online kernel's configuration: a cluster of 4 CTAs (rows of an item split 4 ways) over chunks of about the
 // tokens a request has in the call (its average, at most m: one window's closing token a chunk in a long prefill),
 // or a CTA a token when the call has about one token a request (decode). CLUSTER and CHUNK override.
@@ -1769,13 +1434,11 @@ cudaError_t launch_typed(CompressorArgs a, cudaStream_t stream) {
     a.bulk_wait = env_int("DSV4RT_COMPRESSOR_BULK_WAIT", 0) == 1 ? 1 : 0;
     return launch_grid(compressor_bulk_kernel<OutT, QUANT>, a, bulk, stream);
   }
-  const bool small = pick_small<QUANT>(a, cfg);
-  if (!small) cfg = pick_config<QUANT>(a);
+  cfg = pick_config<QUANT>(a);
   a.cluster = cfg.cluster;
   a.groups = cfg.groups;
   a.chunk = cfg.chunk;
   a.pipe = cfg.pipe;
-  if (small) return launch_grid(compressor_small_kernel<OutT, QUANT>, a, cfg, stream);
   return launch_grid(compressor_update_kernel<OutT, QUANT>, a, cfg, stream);
 }
 

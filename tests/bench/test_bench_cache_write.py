@@ -9,10 +9,9 @@ Each benchmark captures REPEATS steps in one CUDA graph; the time per step is th
     <= 10 us for the three together); decode_close: the worst case, every request closes a CSA and an HCA window;
   * swa: the sliding-ring write of the same two steps.
 Run: python -m pytest tests/bench/test_bench_cache_write.py --benchmark-only -s
-The decode modes also time the three through the opt-in small-call kernel (DSV4RT_COMPRESSOR_SMALL=1), against the
-default general kernel, and print the per-compressor breakdown.
+Each mode also prints the per-compressor breakdown (each alone).
 With DSV4RT_BENCH_SWEEP=1, test_bench_compressor_sweep also times each compressor alone under a list of forced
-launch configurations (csrc/compressor.cu pick_small, pick_config and pick_online, through its DSV4RT_COMPRESSOR_*
+launch configurations (csrc/compressor.cu pick_config, pick_online and pick_bulk, through its DSV4RT_COMPRESSOR_*
 environment variables) at prefill (cycling input sets, so that rows come from memory, not L2) and decode, and the
 three together under a few per-compressor combinations; one table: the numbers that pick the defaults
 (DSV4RT_BENCH_SWEEP_MODES=prefill,decode limits the modes, DSV4RT_BENCH_SWEEP_COMBOS_ONLY=1 to the combinations).
@@ -166,9 +165,6 @@ def test_bench_compressor_update(benchmark, copy_bandwidth, mode, fmt):
         info[f"{name}_closes"] = meta["closes"]
     for name, call in zip(COMPRESSORS, calls):  # each alone, for the breakdown
         info[f"{name}_us"] = median_seconds(_capture([call], REPEATS[mode]).replay, ROUNDS) / REPEATS[mode] * 1e6
-    if mode != "prefill":  # the alternative: the three through the opt-in small-call kernel
-        small = _with_env({"DSV4RT_COMPRESSOR_SMALL": "1"}, lambda: _capture(calls, REPEATS[mode]))
-        info["small_kernel_us"] = median_seconds(small.replay, ROUNDS) / REPEATS[mode] * 1e6
     graph = _capture(calls, REPEATS[mode])
     _report(benchmark, graph, REPEATS[mode], nbytes, copy_bandwidth, info)
     parts = ", ".join(f"{k} {v:.2f}" for k, v in info.items() if k.endswith("_us"))
@@ -186,31 +182,31 @@ def test_bench_swa_cache_write(benchmark, copy_bandwidth, mode, fmt):
     _report(benchmark, graph, REPEATS[mode], meta["bytes"], copy_bandwidth, {"mode": mode, "kv_dtype": fmt})
 
 
-# (mode, compressor) -> forced configurations "K,G,chunk,pipe,small" or named knobs "BULK_K=8 BULK_G=8" (empty: the
-# launcher's default: for the CSA compressors the general kernel, small=1 the opt-in small-call kernel; HCA always
-# runs the online-state kernel, which takes K (cluster) and chunk only, and in long calls the bulk grid behind it:
-# BULK_K its channel slices, BULK_G its slot groups, BULK=0 none).
+# (mode, compressor) -> forced configurations "K,G,chunk,pipe" or named knobs "BULK_K=8 BULK_G=8" (empty: the
+# launcher's default: the CSA compressors run the general kernel; HCA runs the online-state kernel, which takes K
+# (cluster) and chunk only, and in long calls the bulk grid behind it: BULK_K its channel slices, BULK_G its slot
+# groups, BULK=0 none).
 SWEEP = {
-    ("prefill", "csa_main"): [",,,,", ",1,,,", ",4,,,", ",,4,,", ",,8,,", ",,32,,", ",,16,0,", ",1,4,,", ",1,8,,",
-                              "2,,4,,", "4,,4,,", "2,1,8,,", ",,1,,1", ",,4,,1"],
-    ("prefill", "csa_indexer"): [",,,,", ",1,,,", ",4,,,", ",,8,,", ",,16,,", ",,32,,", ",1,8,,", ",1,16,,",
-                                 ",,8,0,", ",,1,,1", ",,4,,1"],
-    ("prefill", "hca"): [",,,,", "BULK=0", "BULK_K=8", "BULK_G=16", "BULK_K=8 BULK_G=8", "BULK_K=2 BULK_G=4",
-                         "BULK_WAIT=1", "2,,128,,"],
-    ("decode", "csa_main"): [",,,,", ",,,,1", ",2,1,,", ",,2,,1", "2,,1,,1", "2,,1,,", "4,,1,,"],
-    ("decode", "csa_indexer"): [",,,,", ",,,,1", ",2,1,,", ",,2,,1", ",1,1,,"],
-    ("decode", "hca"): [",,,,", ",,2,,", ",,4,,", "2,,1,,"],
-    ("decode_close", "csa_main"): [",,,,", ",,,,1"],
-    ("decode_close", "hca"): [",,,,", "2,,1,,"],
+    ("prefill", "csa_main"): [",,,", ",1,,", ",4,,", ",,4,", ",,8,", ",,32,", ",,16,0", ",1,4,", ",1,8,",
+                              "2,,4,", "4,,4,", "2,1,8,"],
+    ("prefill", "csa_indexer"): [",,,", ",1,,", ",4,,", ",,8,", ",,16,", ",,32,", ",1,8,", ",1,16,",
+                                 ",,8,0"],
+    ("prefill", "hca"): [",,,", "BULK=0", "BULK_K=8", "BULK_G=16", "BULK_K=8 BULK_G=8", "BULK_K=2 BULK_G=4",
+                         "BULK_WAIT=1", "2,,128,"],
+    ("decode", "csa_main"): [",,,", ",2,1,", "2,,1,", "4,,1,"],
+    ("decode", "csa_indexer"): [",,,", ",2,1,", ",1,1,"],
+    ("decode", "hca"): [",,,", ",,2,", ",,4,", "2,,1,"],
+    ("decode_close", "csa_main"): [",,,"],
+    ("decode_close", "hca"): [",,,", "2,,1,"],
 }
 # the three together under per-compressor configurations (csa_main, csa_indexer, hca), as above
 COMBOS = {
-    "prefill": [(",,,,", ",,,,", ",,,,"), (",,,,", ",,,,", "BULK=0"), (",,,,", ",,,,", "BULK_WAIT=1"),
-                (",,,,", ",,,,", "BULK_K=8 BULK_G=8")],
-    "decode": [(",,,,", ",,,,", ",,,,"), ("4,,1,,", ",,,,", ",,,,"), (",,,,,100", ",,,,,100", ",,,,,100")],
+    "prefill": [(",,,", ",,,", ",,,"), (",,,", ",,,", "BULK=0"), (",,,", ",,,", "BULK_WAIT=1"),
+                (",,,", ",,,", "BULK_K=8 BULK_G=8")],
+    "decode": [(",,,", ",,,", ",,,"), ("4,,1,", ",,,", ",,,"), (",,,,100", ",,,,100", ",,,,100")],
 }
-# a sixth field: DSV4RT_COMPRESSOR_CARVEOUT (set once, it stays on the kernel for the process: those combos last)
-_KNOBS = ("CLUSTER", "GROUPS", "CHUNK", "PIPE", "SMALL", "CARVEOUT")
+# a fifth field: DSV4RT_COMPRESSOR_CARVEOUT (set once, it stays on the kernel for the process: those combos last)
+_KNOBS = ("CLUSTER", "GROUPS", "CHUNK", "PIPE", "CARVEOUT")
 
 
 def _with_env(env: dict, fn):
@@ -231,7 +227,7 @@ def _with_env(env: dict, fn):
 
 
 def _env_of(cfg: str) -> dict:
-    """Positional "K,G,chunk,pipe,small[,carveout]" or named "KNOB=v KNOB=v" (DSV4RT_COMPRESSOR_KNOB)."""
+    """Positional "K,G,chunk,pipe[,carveout]" or named "KNOB=v KNOB=v" (DSV4RT_COMPRESSOR_KNOB)."""
     if "=" in cfg:
         return {f"DSV4RT_COMPRESSOR_{k}": v for k, v in (kv.split("=") for kv in cfg.split())}
     return {f"DSV4RT_COMPRESSOR_{k}": v for k, v in zip(_KNOBS, cfg.split(","))}
@@ -240,7 +236,7 @@ def _env_of(cfg: str) -> dict:
 def _label(cfg: str) -> str:
     if "=" in cfg:
         return cfg
-    return " ".join(f"{k}={v or '-'}" for k, v in zip(("K", "G", "chunk", "pipe", "small"), cfg.split(",")))
+    return " ".join(f"{k}={v or '-'}" for k, v in zip(("K", "G", "chunk", "pipe"), cfg.split(",")))
 
 
 def _sweep_sets(mode: str, fmt: str = "fp8"):

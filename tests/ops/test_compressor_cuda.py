@@ -17,9 +17,9 @@ entry rows are NaN or 0xFF bytes. Checked:
     the kernel's own unquantised entries.
 The kernel skips padded tokens and tokens that close no window, which the reference sends to the spare state
 slot and the trash block (the last ones): those are not compared.
-The launch configuration (small-call kernel or general kernel, tokens a CTA, slot groups, cluster size,
-programmatic dependent launch) is picked from the shapes; FORCED_CONFIGS overrides it through the launcher's
-environment variables, so that every code path of both kernels runs at these small shapes.
+The launch configuration (tokens a CTA, slot groups, cluster size, programmatic dependent launch, the bulk grid) is
+picked from the shapes; FORCED_CONFIGS overrides it through the launcher's environment variables, so that every code
+path of the kernels runs at these small shapes.
 """
 from __future__ import annotations
 
@@ -308,8 +308,8 @@ def test_compressor_update_cuda_float16(comp):
                      torch.ops.dsv4rt.compressor_update.default)
 
 
-# Forced launch configurations (csrc/compressor.cu, pick_config and pick_small).
-# General kernel (SMALL=0): several tokens a CTA (closing tokens in turn, their slots staged in shared memory ahead
+# Forced launch configurations (csrc/compressor.cu, pick_config, pick_online and pick_bulk).
+# General kernel: several tokens a CTA (closing tokens in turn, their slots staged in shared memory ahead
 # of their turn unless PIPE=0; row-writing tokens batched; the owner and other closers of a request in one CTA), slot
 # groups that divide m (G == m: the owner copies its overlap rows inside the pooling) or not (1 and 3: several
 # batches of slots a thread; 32: groups without slots for the small windows), channel slices in clusters (also for
@@ -318,29 +318,17 @@ def test_compressor_update_cuda_float16(comp):
 # Bulk grid (BULK=1; by default only in calls of 512 tokens or more; no-overlap compressors only): HCA's interior
 # windows, which read no state, in a second grid behind the online kernel: clusters of K CTAs (channel slices) over a
 # span of m tokens, G slot groups, started without waiting for the online kernel (or waiting: BULK_WAIT=1).
-# Small-call kernel (SMALL=1, also for the prefill scenario, whose HCA call is large): one token a CTA or several
-# (closers of one request, the owner among them, in turn; several entries a cluster: both shared-memory buffers),
-# G == 1 (the owner's overlap rows copied inside the pooling) or not (the owner's barrier and row copies; groups
-# merged through shuffles and shared memory; several load rounds a thread: HCA with G 2 or K 4 and G 1), channel
-# slices in clusters for the small windows too, and no programmatic dependent launch.
 FORCED_CONFIGS = {
-    "chunk256_g32": {"SMALL": "0", "CHUNK": "256", "GROUPS": "32"},
-    "chunk16_g2_nopipe": {"SMALL": "0", "CHUNK": "16", "GROUPS": "2", "PIPE": "0"},
-    "chunk64_g1": {"SMALL": "0", "CHUNK": "64", "GROUPS": "1"},
-    "chunk8_g2": {"SMALL": "0", "CHUNK": "8", "GROUPS": "2"},
-    "chunk3_g3": {"SMALL": "0", "CHUNK": "3", "GROUPS": "3"},
-    "chunk1_g4": {"SMALL": "0", "CHUNK": "1", "GROUPS": "4"},
-    "chunk5_g4": {"SMALL": "0", "CHUNK": "5", "GROUPS": "4"},
-    "cluster2_chunk16_g8": {"SMALL": "0", "CLUSTER": "2", "CHUNK": "16", "GROUPS": "8"},
-    "cluster4_chunk2_g16": {"SMALL": "0", "CLUSTER": "4", "CHUNK": "2", "GROUPS": "16"},
-    "no_pdl": {"SMALL": "0", "PDL": "0"},
-    "small": {"SMALL": "1"},
-    "small_chunk4": {"SMALL": "1", "CHUNK": "4"},
-    "small_chunk32_g2": {"SMALL": "1", "CHUNK": "32", "GROUPS": "2"},
-    "small_chunk3_g3": {"SMALL": "1", "CHUNK": "3", "GROUPS": "3"},
-    "small_cluster2_g8": {"SMALL": "1", "CLUSTER": "2", "GROUPS": "8"},
-    "small_cluster4_chunk2_g1": {"SMALL": "1", "CLUSTER": "4", "CHUNK": "2", "GROUPS": "1"},
-    "small_no_pdl": {"SMALL": "1", "PDL": "0"},
+    "chunk256_g32": {"CHUNK": "256", "GROUPS": "32"},
+    "chunk16_g2_nopipe": {"CHUNK": "16", "GROUPS": "2", "PIPE": "0"},
+    "chunk64_g1": {"CHUNK": "64", "GROUPS": "1"},
+    "chunk8_g2": {"CHUNK": "8", "GROUPS": "2"},
+    "chunk3_g3": {"CHUNK": "3", "GROUPS": "3"},
+    "chunk1_g4": {"CHUNK": "1", "GROUPS": "4"},
+    "chunk5_g4": {"CHUNK": "5", "GROUPS": "4"},
+    "cluster2_chunk16_g8": {"CLUSTER": "2", "CHUNK": "16", "GROUPS": "8"},
+    "cluster4_chunk2_g16": {"CLUSTER": "4", "CHUNK": "2", "GROUPS": "16"},
+    "no_pdl": {"PDL": "0"},
     # the bulk grid behind the online kernel (HCA's interior windows: the prefill and mixed scenarios; the overlap
     # compressors have none, so these run their defaults)
     "bulk": {"BULK": "1"},
