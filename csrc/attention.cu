@@ -659,35 +659,59 @@ __global__ void __launch_bounds__(64 * MT, 1) sparse_attn_mma_kernel(const Spars
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
   const int mt = warp % MT, dh = warp / MT, g = lane >> 2, tig = lane & 3;
+  // Whole rows: the output goes through shared memory (the K tile's space, [kRows][D] bf16 with 16-byte chunks
+  // xor-ed by row), then out in 16-byte stores, whole rows a warp.
+  uint8_t* ost = smem + C::kKOff;
+  static_assert(C::kRows * D * 2 <= kNT * C::kRowBytes, "the output tile fits in the K tile");
+  float sink[2] = {0.0f, 0.0f};
+  if (n_splits == 1) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int h = hg * C::kRows + mt * 16 + g + 8 * r;
+      if (h < a.heads) sink[r] = a.sinks[h];
+    }
+    __syncthreads();  // every warp is done with the K tile
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int h = hg * C::kRows + mt * 16 + g + 8 * r;
+    const int row = mt * 16 + g + 8 * r, h = hg * C::kRows + row;
     if (h >= a.heads) continue;
     const float m = r ? m1 : m0, l = r ? l1 : l0;
     const int col = dh * C::kDh + 2 * tig;
     if (n_splits == 1) {
-      const float sink2 = a.sinks[h] * kLog2e;
+      const float sink2 = sink[r] * kLog2e;
       const float mm = fmaxf(m, sink2);
       const float f = exp2f(m - mm);
       const float inv = f / (l * f + exp2f(sink2 - mm));
-      __nv_bfloat16* o = static_cast<__nv_bfloat16*>(a.out) + (t * a.heads + h) * D + col;
 #pragma unroll
-      for (int n = 0; n < C::kNTiles; ++n)
-        *reinterpret_cast<__nv_bfloat162*>(o + n * 8) = __floats2bfloat162_rn(acc[n][2 * r] * inv,
-                                                                               acc[n][2 * r + 1] * inv);
+      for (int n = 0; n < C::kNTiles; ++n) {
+        const int cc = col + n * 8;  // column pair (cc, cc + 1) in chunk cc / 8
+        *reinterpret_cast<__nv_bfloat162*>(ost + row * D * 2 + (((cc >> 3) ^ (row & 7)) << 4) + 2 * (cc & 7)) =
+            __floats2bfloat162_rn(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+      }
     } else {
-      const int64_t row = (t * n_splits + split) * a.heads + h;
+      const int64_t prow = (t * n_splits + split) * a.heads + h;
       float* ml = a.workspace + a.n_tokens * n_splits * a.heads * D;
       if (dh == 0 && tig == 0) {
-        ml[2 * row] = m;
-        ml[2 * row + 1] = l;
+        ml[2 * prow] = m;
+        ml[2 * prow + 1] = l;
       }
       if (m != kNegInf) {  // a split without keys leaves its acc row unwritten: the combine skips it
-        float* w = a.workspace + row * D + col;
+        float* w = a.workspace + prow * D + col;
 #pragma unroll
         for (int n = 0; n < C::kNTiles; ++n)
           *reinterpret_cast<float2*>(w + n * 8) = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
       }
+    }
+  }
+  if (n_splits == 1) {
+    __syncthreads();
+    const int rows = a.heads - hg * C::kRows < C::kRows ? a.heads - hg * C::kRows : C::kRows;
+    __nv_bfloat16* o = static_cast<__nv_bfloat16*>(a.out) + (t * a.heads + hg * C::kRows) * D;
+    for (int idx = tid; idx < rows * (D / 8); idx += C::kThreads) {
+      const int row = idx / (D / 8), c = idx % (D / 8);
+      *reinterpret_cast<uint4*>(o + row * D + c * 8) =
+          *reinterpret_cast<const uint4*>(ost + row * D * 2 + ((c ^ (row & 7)) << 4));
     }
   }
 }
