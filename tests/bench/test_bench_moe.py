@@ -20,7 +20,8 @@ Targets (issue 6), against ceilings measured in the same run:
 The knobs benchmark compares the expert op (and the fused call) at small batches with its default settings, with
 x_ready ignored (DSV4RT_MOE_EARLY=0), without programmatic launches, and on the other small-batch path (the tiny path,
 DSV4RT_MOE_TINY=8, or the GEMV path, DSV4RT_MOE_TINY=0) with and without x_ready and the tiny L2 prefetch. The profile benchmark
-prints the kernels of one fused call (CUDA-graph replay under torch.profiler). The crossover benchmark times both
+prints the kernels of one fused call (CUDA-graph replay under torch.profiler, programmatic launches off); the timeline
+benchmark when each kernel of a batch-1 call starts and ends with them on. The crossover benchmark times both
 expert paths (GEMV kernels, grouped GEMMs) at sizes around the threshold.
 Run: python -m pytest tests/bench/test_bench_moe.py --benchmark-only -s
 """
@@ -228,4 +229,49 @@ def test_bench_moe_profile(benchmark, moe_weights, tokens, monkeypatch):
     lines += [f"    {us:9.1f} {n:3d}  {name[:110]}" for name, us, n in rows[:12]]
     RESULTS.extend(lines)
     print("\n" + "\n".join(lines))
+    benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=2, warmup_rounds=1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", ["fused", "experts"])
+def test_bench_moe_timeline(benchmark, moe_weights, copy_bandwidth, variant):
+    """Batch 1 with programmatic launches on (as the model runs): when each kernel of a call starts and ends,
+    relative to the call's first kernel, averaged over the middle calls of a graph of 16 (input sets cycled), from
+    torch.profiler's trace. Shows how long the routing chain (gate -> route -> plan) holds back the routed experts."""
+    import json
+    import re
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    sets, distinct = _inputs(1, moe_weights)
+    repeats = 16
+    graph, per_call = _time_call(_variant(variant, moe_weights), sets, repeats)
+    floor = distinct * EXPERT_BYTES / copy_bandwidth
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/trace.json"
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"),
+                            key=lambda e: e["ts"])
+    first = "moe_gate" if variant == "fused" else "moe_plan"
+    calls: list[list[dict]] = []
+    for e in events:
+        if first in e["name"]:
+            calls.append([])
+        if calls:
+            calls[-1].append(e)
+    assert len(calls) == repeats, f"expected {repeats} calls in the trace, found {len(calls)}"
+    middle = calls[4:-2]
+    lines = [f"T=    1 {variant:8s} timeline: {per_call * 1e6:.1f} us/call = {per_call / floor:.3f}x the "
+             f"{distinct:.1f}-expert read (start / end us after the call's first kernel, mean of {len(middle)} calls)"]
+    for i, e in enumerate(middle[0]):
+        start = statistics.mean(c[i]["ts"] - c[0]["ts"] for c in middle)
+        end = statistics.mean(c[i]["ts"] + c[i]["dur"] - c[0]["ts"] for c in middle)
+        kernel = re.search(r"(\w+_kernel)", e["name"])
+        lines.append(f"    {start:7.1f} {end:7.1f}  {kernel.group(1) if kernel else e['name'][:60]}")
+    RESULTS.extend(lines)
+    print("\n" + "\n".join(lines))
+    benchmark.extra_info.update(device=torch.cuda.get_device_name(), variant=variant, us_per_call=per_call * 1e6)
     benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=2, warmup_rounds=1)
