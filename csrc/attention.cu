@@ -327,9 +327,9 @@ __device__ __forceinline__ uint32_t swz(int row, int c) {
 constexpr int kShift8 = 0x40;
 
 // This thread's share of one key row: the raw row (bf16 values or the FP8 layout) to its staging slot, in 16-byte
-// copies. FP8 rows (fp8_bytes, a multiple of 8) are 8-byte aligned: an odd one is copied from 8 bytes before its start
-// (the end of the previous row of the same cache: a row that is not 16-byte aligned is never the first of its
-// allocation) and lands 8 bytes into its slot (kShift8); an even one's last copy reads its 8 remaining bytes only.
+// copies. FP8 rows (a multiple of 8 bytes, from a 16-byte aligned cache base: cache_fast) are 8-byte aligned: an odd
+// one is copied from 8 bytes before its start (the end of the previous row of the same cache) and lands 8 bytes into
+// its slot (kShift8); an even one's last copy reads only the fp8_bytes of the row that remain.
 template <int D, int MT>
 __device__ __forceinline__ void issue_key(const Src& src, uint32_t stage, uint8_t* kinds, int key, int sub,
                                           int fp8_bytes) {
@@ -889,7 +889,8 @@ bool aligned(const void* p, int n) { return reinterpret_cast<uintptr_t>(p) % n =
 
 bool cache_fast(const void* p, int fmt, int64_t row_bytes, int dim) {
   if (fmt == kAttnBf16) return aligned(p, 16) && row_bytes == 2 * dim;
-  if (fmt == kAttnFp8) return aligned(p, 8) && row_bytes % 8 == 0 && row_bytes <= 2 * dim;
+  // FP8: a 16-byte aligned base, so that only rows past the first start 8 bytes off (issue_key)
+  if (fmt == kAttnFp8) return aligned(p, 16) && row_bytes % 8 == 0 && row_bytes <= 2 * dim;
   return false;
 }
 

@@ -184,6 +184,25 @@ def test_long_hca_context_many_splits():
     check(make_case(d, "hca", segs, True, torch.bfloat16, seed=4, n_pad=0))
 
 
+def _off_by_8(rows: torch.Tensor) -> torch.Tensor:
+    """The same FP8 rows in storage that starts 8 bytes past a 16-byte boundary."""
+    flat = torch.zeros(rows.numel() + 8, dtype=torch.uint8, device=rows.device)
+    out = flat[8:].view(rows.shape)
+    out.copy_(rows)
+    assert out.data_ptr() % 16 == 8
+    return out
+
+
+@pytest.mark.parametrize("mode", ["csa", "hca"])
+def test_fp8_caches_off_16_byte_alignment(mode):
+    # the tensor-core kernel copies FP8 rows in 16-byte pieces from 16-byte boundaries, which it may do only from a
+    # 16-byte aligned cache; other caches take the generic path, with the same result
+    args = list(make_case(FLASH, mode, _scenarios(FLASH)["decode"], True, torch.bfloat16, seed=6))
+    args[2] = _off_by_8(args[2])
+    args[3] = _off_by_8(args[3])
+    check(tuple(args))
+
+
 def test_no_visible_key_gives_zero():
     # padded tokens only: the sink-only softmax gives 0, as the reference
     args = make_case(FLASH, "csa", [(0, 10, 1)], True, torch.bfloat16, n_pad=3)
