@@ -997,13 +997,12 @@ int sparse_attn_splits(const SparseAttnArgs& a) {
   const int rows = mt_for(a) == 4 ? 64 : 16;
   const int64_t units = a.n_tokens * ((a.heads + rows - 1) / rows);
   const int64_t slots = static_cast<int64_t>(num_sms()) * mma_ctas_per_sm(a);
-  // modelled time: waves x tiles per CTA x a tile's time (about 8 us for 64 heads of D = 512, measured on an H200
-  // before the convert and gather rework, which brought the decode benchmark from 97 to 62 us on an H100: the
-  // model is kept as it was fitted, since only the ratio to the combine cost matters),
-  // plus, when split, the partials written and read back (fp32 rows of every head and column, L2-resident at these
-  // sizes: 4 TB/s) and the combine. Batch 1 at a 1M-token HCA context: one tile a CTA, 131 splits (30.2 us on an
-  // H200 against 32.3 us for the 66 splits that 2 TB/s chose).
-  const double tile_us = 8.0 * rows * a.dim / (64.0 * 512.0), partial_bytes_per_us = 4.0e6, combine_us = 3.0;
+  // modelled time: waves x tiles per CTA x a tile's time (4 us for 64 heads of D = 512), plus, when split, the
+  // partials written and read back (fp32 rows of every head and column, L2-resident at these sizes: 4 TB/s) and the
+  // combine. The tile time is fitted to batch 1 at a 1M-token HCA context (131 tiles), where it picks 66 splits of
+  // two tiles over 131 of one: 24.1 against 25.3 us on an H100, 23.55 against 23.8-24.0 us on an H200 (with the
+  // kernel of 2026-11-26; 8 us, fitted to the earlier kernel, picked 131).
+  const double tile_us = 4.0 * rows * a.dim / (64.0 * 512.0), partial_bytes_per_us = 4.0e6, combine_us = 3.0;
   int best = 1;
   double best_cost = -1.0;
   for (int ns = 1; ns <= cap; ++ns) {
