@@ -596,8 +596,10 @@ __global__ void __launch_bounds__(64 * MT, 1) sparse_attn_mma_kernel(const Spars
     {  // Q rows of the head group as fp16 (rows past H: zeros)
       const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(a.q);
       uint8_t* qd = smem + C::kQOff;
-      // 16-byte chunks a thread, in rounds of up to 8 loads issued before their first use
-      constexpr int kPer = C::kRows * C::kChunks / C::kThreads, kRound = kPer < 8 ? kPer : 8;
+      // 16-byte chunks a thread, in rounds of loads issued before their first use: all 16 at once in the wgmma
+      // kernel (registers are free here), 8 in the mma.sync kernels (16 spill in their 16-head variant)
+      constexpr int kPer = C::kRows * C::kChunks / C::kThreads, kMaxRound = WG ? 16 : 8;
+      constexpr int kRound = kPer < kMaxRound ? kPer : kMaxRound;
       static_assert(C::kRows * C::kChunks % C::kThreads == 0 && kPer % kRound == 0, "Q chunks");
 #pragma unroll 1
       for (int i0 = 0; i0 < kPer; i0 += kRound) {
