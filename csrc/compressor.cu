@@ -747,6 +747,21 @@ __device__ void write_rows(const CompressorArgs& a, const Ctx& x, const Shared& 
   }
 }
 
+// The same for a chunk of one token, whose metadata every thread holds (no shared-memory lists).
+__device__ void write_row_one(const CompressorArgs& a, const Ctx& x, int64_t t, int r, int p) {
+  const int items = a.c * x.quads, pm = mod_pos(p, a.ratio);
+  for (int i0 = x.tid; i0 < items; i0 += kCopyUnroll * blockDim.x) {
+    float4 v[kCopyUnroll], s[kCopyUnroll], ap[kCopyUnroll];
+    int64_t dst[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int idx = i0 + u * static_cast<int>(blockDim.x);
+      dst[u] = idx < items ? open_row_load(a, x, t, r, pm, idx, v[u], s[u], ap[u]) : -1;
+    }
+    open_rows_store(a, dst, v, s, ap);
+  }
+}
+
 // What the token must do in this kernel (see the file comment): nothing (most tokens of a prefill chunk), write its
 // own open row (kWriteRow), or close a window (kClose: an entry, and the owner's state writes).
 enum Work : int { kNone = 0, kWriteRow = 1, kClose = 2 };
@@ -766,9 +781,10 @@ __device__ __forceinline__ int closed_window(const CompressorArgs& a, const Tok&
 // the pipeline (`pipe`), its slots are in stage k % kStages, and closing token k + kStages is prefetched there.
 template <typename OutT, int QUANT>
 __device__ void process_closer(const CompressorArgs& a, const Ctx& x, const Shared& sh, const Consts& cs, int64_t t0,
-                               int chunk, int k, int n_close, bool pipe, const float4 (&ape)[kBatch], int& round) {
+                               int chunk, int k, int n_close, bool pipe, const float4 (&ape)[kBatch], int& round,
+                               const Tok& one) {
   const int m = a.ratio, c = a.c;
-  const Tok tk = chunk_token(a, sh, t0, chunk, sh.list[k]);
+  const Tok tk = chunk == 1 ? one : chunk_token(a, sh, t0, chunk, sh.list[k]);  // chunk 1: in registers
   const int open_end = floor_div(tk.e, m) * m;
   const int w = closed_window(a, tk);
   const int w0 = tk.open_start / m, w_last = open_end / m - 1;
@@ -827,7 +843,6 @@ __device__ void process_closer(const CompressorArgs& a, const Ctx& x, const Shar
 template <typename OutT, int QUANT>
 __global__ void __launch_bounds__(kMaxThreads) compressor_update_kernel(const __grid_constant__ CompressorArgs a) {
   pdl_launch_dependents();
-  pdl_wait();  // the previous grid's writes are visible
   extern __shared__ float4 smem[];
   constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
   const Ctx x = slice_ctx(a);
@@ -837,8 +852,8 @@ __global__ void __launch_bounds__(kMaxThreads) compressor_update_kernel(const __
   const int m = a.ratio;
   const int64_t cw = static_cast<int64_t>(a.c) * a.d;
 
-  // constants of the quad's post-processing and (pipeline) the ape rows of the thread's slots, loaded with the
-  // metadata
+  // constants of the quad's post-processing and (pipeline) the ape rows of the thread's slots: weights, complete
+  // before any grid of the step, so they load while the previous grid finishes
   const Consts cs = load_consts(a, x);
   float4 ape[kBatch];
 #pragma unroll
@@ -847,49 +862,69 @@ __global__ void __launch_bounds__(kMaxThreads) compressor_update_kernel(const __
     ape[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (pipe && x.pools && j < x.n_pool) ape[u] = ld4(a.ape + slot_qm(j, m) * cw + slot_half(a, j) + x.col);
   }
+  pdl_wait();  // the previous grid's writes are visible
 
-  // --- the chunk's metadata (a token per thread), sorted: closing tokens, row-writing tokens (in order)
   const int64_t t0 = static_cast<int64_t>(blockIdx.x / x.K) * chunk;
-  int work = kNone;
-  if (x.tid < chunk) {
-    const int64_t t = t0 + x.tid;
-    int r = -1, p = 0, s = 0, e = 0;
-    if (t < a.n_tokens) {
-      r = a.req_slot[t];
-      p = a.positions[t];
-      s = a.start_pos[t];
-      e = a.end_pos[t];
-      if (r >= 0 && r < a.n_slots) {
-        work = token_work(a, p, s, e);
-      } else {
-        r = -1;  // a PAD token (the reference uses the spare slot)
-      }
+  int n_close = 0, n_row = 0;
+  Tok one{};  // chunk == 1: the token, in every thread's registers
+  if (chunk == 1) {  // one token (decode): every thread loads its metadata, no lists, no barriers
+    if (t0 >= a.n_tokens) return;
+    one.t = t0;
+    one.r = a.req_slot[t0];
+    one.p = a.positions[t0];
+    one.s = a.start_pos[t0];
+    one.e = a.end_pos[t0];
+    if (one.r < 0 || one.r >= a.n_slots) return;  // a PAD token (the reference uses the spare slot)
+    one.open_start = floor_div(one.s, m) * m;
+    const int work = token_work(a, one.p, one.s, one.e);
+    if (work == kWriteRow) {  // its own open row, and nothing else (a return here also keeps the registers in bounds)
+      write_row_one(a, x, one.t, one.r, one.p);
+      return;
     }
-    sh.meta[x.tid] = r;
-    sh.meta[chunk + x.tid] = p;
-    sh.meta[2 * chunk + x.tid] = s;
-    sh.meta[3 * chunk + x.tid] = e;
+    n_close = work == kClose ? 1 : 0;
+  } else {
+    // --- the chunk's metadata (a token per thread), sorted: closing tokens, row-writing tokens (in order)
+    int work = kNone;
+    if (x.tid < chunk) {
+      const int64_t t = t0 + x.tid;
+      int r = -1, p = 0, s = 0, e = 0;
+      if (t < a.n_tokens) {
+        r = a.req_slot[t];
+        p = a.positions[t];
+        s = a.start_pos[t];
+        e = a.end_pos[t];
+        if (r >= 0 && r < a.n_slots) {
+          work = token_work(a, p, s, e);
+        } else {
+          r = -1;  // a PAD token (the reference uses the spare slot)
+        }
+      }
+      sh.meta[x.tid] = r;
+      sh.meta[chunk + x.tid] = p;
+      sh.meta[2 * chunk + x.tid] = s;
+      sh.meta[3 * chunk + x.tid] = e;
+    }
+    const int lane = x.tid & 31, warp = x.tid >> 5, meta_warps = (chunk + 31) / 32;
+    const unsigned close_ballot = __ballot_sync(0xffffffffu, work == kClose);
+    const unsigned row_ballot = __ballot_sync(0xffffffffu, work == kWriteRow);
+    if (lane == 0 && warp < meta_warps) {
+      sh.counts[warp] = __popc(close_ballot);
+      sh.counts[kMaxWarps + warp] = __popc(row_ballot);
+    }
+    __syncthreads();
+    int at_close = 0, at_row = 0;
+    for (int wi = 0; wi < meta_warps; ++wi) {
+      const int nc = sh.counts[wi], nr = sh.counts[kMaxWarps + wi];
+      at_close += wi < warp ? nc : 0;
+      at_row += wi < warp ? nr : 0;
+      n_close += nc;
+      n_row += nr;
+    }
+    const unsigned below = (1u << lane) - 1u;
+    if (work == kClose) sh.list[at_close + __popc(close_ballot & below)] = x.tid;
+    if (work == kWriteRow) sh.list[chunk + at_row + __popc(row_ballot & below)] = x.tid;
+    __syncthreads();
   }
-  const int lane = x.tid & 31, warp = x.tid >> 5, meta_warps = (chunk + 31) / 32;
-  const unsigned close_ballot = __ballot_sync(0xffffffffu, work == kClose);
-  const unsigned row_ballot = __ballot_sync(0xffffffffu, work == kWriteRow);
-  if (lane == 0 && warp < meta_warps) {
-    sh.counts[warp] = __popc(close_ballot);
-    sh.counts[kMaxWarps + warp] = __popc(row_ballot);
-  }
-  __syncthreads();
-  int n_close = 0, n_row = 0, at_close = 0, at_row = 0;
-  for (int wi = 0; wi < meta_warps; ++wi) {
-    const int nc = sh.counts[wi], nr = sh.counts[kMaxWarps + wi];
-    at_close += wi < warp ? nc : 0;
-    at_row += wi < warp ? nr : 0;
-    n_close += nc;
-    n_row += nr;
-  }
-  const unsigned below = (1u << lane) - 1u;
-  if (work == kClose) sh.list[at_close + __popc(close_ballot & below)] = x.tid;
-  if (work == kWriteRow) sh.list[chunk + at_row + __popc(row_ballot & below)] = x.tid;
-  __syncthreads();
 
   // the first closing tokens' slots in flight before the row copies
   if (pipe) {
@@ -906,7 +941,7 @@ __global__ void __launch_bounds__(kMaxThreads) compressor_update_kernel(const __
   if (n_row > 0) write_rows(a, x, sh, t0, chunk, n_row);
   int round = 0;
   for (int k = 0; k < n_close; ++k)
-    process_closer<OutT, QUANT>(a, x, sh, cs, t0, chunk, k, n_close, pipe, ape, round);
+    process_closer<OutT, QUANT>(a, x, sh, cs, t0, chunk, k, n_close, pipe, ape, round, one);
   if (pipe) cp_async_wait<0>();
   if (x.K > 1 && n_close > 0) cluster_sync();  // no CTA exits while another may still read its shared memory
 }
@@ -953,6 +988,15 @@ __device__ __forceinline__ void online_rows(const CompressorArgs& a, int col, in
   if (n <= 0) return;
   const int per = (n + R - 1) / R, q0 = lo + rank * per, q1 = min(hi + 1, q0 + per);
   const int64_t d = a.d;
+  if (q1 - q0 == 1) {  // one row (decode): a batch of one, without the predicated slots of a full batch
+    const int64_t row = (t + (q0 - p)) * d + col;
+    float4 v[1] = {ld4(a.kv + row)}, sc[1] = {ld4(a.score + row)};
+    const float4 ap = ld4(a.ape + mod_pos(q0, a.ratio) * d + col);
+    const bool ok[1] = {true};
+    sc[0] = add4(sc[0], ap);
+    reduce_batch(v, sc, ok, ps);
+    return;
+  }
   for (int qb = q0; qb < q1; qb += kOnlineBatch) {
     float4 v[kOnlineBatch], sc[kOnlineBatch], ap[kOnlineBatch];
     bool ok[kOnlineBatch];
