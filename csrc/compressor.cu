@@ -379,9 +379,9 @@ struct Consts {
 
 // The thread's place in a CTA that takes a channel slice of a.d / a.cluster channels (cluster rank = slice) with
 // a.groups slot groups (the general and bulk kernels).
-__device__ __forceinline__ Ctx slice_ctx(const CompressorArgs& a) {
+__device__ __forceinline__ Ctx slice_ctx(const CompressorArgs& a, bool one_cta = false) {
   Ctx x;
-  x.K = a.cluster;
+  x.K = one_cta ? 1 : a.cluster;
   x.rank = x.K > 1 ? static_cast<int>(cluster_rank()) : 0;
   x.dk = a.d / x.K;
   x.ch0 = x.rank * x.dk;
@@ -840,14 +840,16 @@ __device__ void process_closer(const CompressorArgs& a, const Ctx& x, const Shar
   }
 }
 
-template <typename OutT, int QUANT>
+// kOne: the decode instance (a token a CTA, no cluster, no pipeline) with those as constants, so that the code a
+// decode step runs is compact (the three compressors of a step run back to back from cold instruction caches).
+template <typename OutT, int QUANT, bool kOne>
 __global__ void __launch_bounds__(kMaxThreads) compressor_update_kernel(const __grid_constant__ CompressorArgs a) {
   pdl_launch_dependents();
   extern __shared__ float4 smem[];
   constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
-  const Ctx x = slice_ctx(a);
-  const int chunk = a.chunk;
-  const bool pipe = a.pipe != 0;
+  const Ctx x = slice_ctx(a, kOne);
+  const int chunk = kOne ? 1 : a.chunk;
+  const bool pipe = kOne ? false : a.pipe != 0;
   const Shared sh = carve(smem, x, pipe, chunk, had_floats(kFp4, x.quads));
   const int m = a.ratio;
   const int64_t cw = static_cast<int64_t>(a.c) * a.d;
@@ -1039,12 +1041,14 @@ __device__ __forceinline__ void online_merge(const OnlineShared& sh, int R, int 
   cluster_sync();  // rank 0 has read every partial: they may be overwritten, and the CTAs may exit
 }
 
-template <typename OutT, int QUANT>
+// kOne: the decode instance (a token a CTA, no cluster, no bulk grid behind it), see compressor_update_kernel.
+template <typename OutT, int QUANT, bool kOne>
 __global__ void __launch_bounds__(kOnlineMaxThreads) compressor_online_kernel(const __grid_constant__ CompressorArgs a) {
-  if (!a.bulk) pdl_launch_dependents();  // with a bulk grid next: after the wait (see compressor_bulk_kernel)
+  const bool bulk = !kOne && a.bulk;  // a bulk grid runs behind this one
+  if (!bulk) pdl_launch_dependents();  // with a bulk grid next: after the wait (see compressor_bulk_kernel)
   extern __shared__ float4 smem[];
   constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
-  const int R = a.cluster, chunk = a.chunk;
+  const int R = kOne ? 1 : a.cluster, chunk = kOne ? 1 : a.chunk;
   const int rank = R > 1 ? static_cast<int>(cluster_rank()) : 0;
   const int d = a.d, m = a.ratio;
   Ctx x;
@@ -1074,7 +1078,7 @@ __global__ void __launch_bounds__(kOnlineMaxThreads) compressor_online_kernel(co
   // constants of the post-processing (weights: complete before the previous grid started)
   const Consts cs = load_consts(a, x);
   pdl_wait();  // the previous grid's writes are visible
-  if (a.bulk) pdl_launch_dependents();
+  if (bulk) pdl_launch_dependents();
 
   // --- the chunk's items (a token per thread), in token order
   const int64_t t0 = static_cast<int64_t>(blockIdx.x / R) * chunk;
@@ -1090,7 +1094,7 @@ __global__ void __launch_bounds__(kOnlineMaxThreads) compressor_online_kernel(co
     e = a.end_pos[t];
     if (r >= 0 && r < a.n_slots) {  // else a PAD token: nothing (the reference uses the spare slot)
       const bool closes = mod_pos(p + 1, m) == 0, owner = floor_div(p, m) == floor_div(s, m);
-      item = (closes && (owner || !a.bulk)) || (p == e - 1 && owner);  // with a bulk grid: only the owner's close
+      item = (closes && (owner || !bulk)) || (p == e - 1 && owner);  // with a bulk grid: only the owner's close
     }
   }
   const unsigned ballot = __ballot_sync(0xffffffffu, item);
@@ -1469,7 +1473,9 @@ cudaError_t launch_typed(CompressorArgs a, cudaStream_t stream) {
     a.groups = cfg.groups;
     a.chunk = cfg.chunk;
     a.pipe = cfg.pipe;
-    const cudaError_t err = launch_grid(compressor_online_kernel<OutT, QUANT>, a, cfg, stream);
+    const bool one = cfg.chunk == 1 && cfg.cluster == 1 && !a.bulk;
+    const cudaError_t err = one ? launch_grid(compressor_online_kernel<OutT, QUANT, true>, a, cfg, stream)
+                                : launch_grid(compressor_online_kernel<OutT, QUANT, false>, a, cfg, stream);
     if (err != cudaSuccess || !a.bulk) return err;
     a.cluster = bulk.cluster;
     a.groups = bulk.groups;
@@ -1483,7 +1489,9 @@ cudaError_t launch_typed(CompressorArgs a, cudaStream_t stream) {
   a.groups = cfg.groups;
   a.chunk = cfg.chunk;
   a.pipe = cfg.pipe;
-  return launch_grid(compressor_update_kernel<OutT, QUANT>, a, cfg, stream);
+  if (cfg.chunk == 1 && cfg.cluster == 1 && !cfg.pipe)
+    return launch_grid(compressor_update_kernel<OutT, QUANT, true>, a, cfg, stream);
+  return launch_grid(compressor_update_kernel<OutT, QUANT, false>, a, cfg, stream);
 }
 
 template <typename OutT>
