@@ -50,6 +50,7 @@ constexpr int kGemvWarps = 4;      // warps of an up/down CTA, splitting the red
 constexpr int kGemvThreads = kGemvWarps * 32;
 constexpr int kChunk = 32;         // columns a warp covers per 16-byte load of each row (4 lanes x 8 elements)
 constexpr int kCombineThreads = 128;
+constexpr int kCombineBatch = 8;   // choices (and the shared expert) whose rows a combine thread loads at once
 
 // ------------------------------------------------------------------------------------------ device helpers
 
@@ -1213,25 +1214,49 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const Y* y
   const int64_t d = (static_cast<int64_t>(blockIdx.y) * kCombineThreads + threadIdx.x) * 8;
   if (d >= dim) return;
   float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  for (int j = 0; j <= topk; ++j) {
-    const Y* row;
-    float w = 1.0f;
-    if (j == topk) {  // the shared expert, weight 1
-      if (shared_y == nullptr) break;
-      row = shared_y + t * shared_stride + d;
-    } else {
-      const int p = pos_of[t * topk + j];
-      if (p < 0) continue;  // id outside [0, E): no contribution, as in the reference
-      w = weights[t * topk + j];
-      row = y + p * y_stride + d;
+  // choices j = 0 .. topk - 1, then the shared expert (j = topk), summed in that order; kCombineBatch of them a
+  // round: their positions and weights are loaded together, then their rows, then the sums (a position, a row, a
+  // sum, one choice after another, was two memory latencies a choice at the end of every call)
+  const int n_terms = topk + (shared_y != nullptr ? 1 : 0);
+  for (int j0 = 0; j0 < n_terms; j0 += kCombineBatch) {
+    int p[kCombineBatch];
+    float w[kCombineBatch];
+#pragma unroll
+    for (int u = 0; u < kCombineBatch; ++u) {
+      const int j = j0 + u;
+      p[u] = -1;
+      w[u] = 1.0f;  // the shared expert's weight
+      if (j < topk) {
+        p[u] = pos_of[t * topk + j];  // < 0: an id outside [0, E), no contribution, as in the reference
+        w[u] = weights[t * topk + j];
+      } else if (j < n_terms) {
+        p[u] = 0;
+      }
+    }
+    const Y* row[kCombineBatch];
+#pragma unroll
+    for (int u = 0; u < kCombineBatch; ++u) {
+      const int j = j0 + u;
+      row[u] = p[u] < 0 ? nullptr : (j < topk ? y + p[u] * y_stride + d : shared_y + t * shared_stride + d);
     }
     if (vec) {
-      float v[8];
-      load8<Y>(row, v);
+      float v[kCombineBatch][8];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) acc[k] = fmaf(w, v[k], acc[k]);
+      for (int u = 0; u < kCombineBatch; ++u) {
+        if (row[u] != nullptr) load8<Y>(row[u], v[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kCombineBatch; ++u) {
+        if (row[u] != nullptr) {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) acc[k] = fmaf(w[u], v[u][k], acc[k]);
+        }
+      }
     } else {
-      for (int k = 0; k < 8 && d + k < dim; ++k) acc[k] = fmaf(w, Num<Y>::load(row[k]), acc[k]);
+      for (int u = 0; u < kCombineBatch; ++u) {
+        if (row[u] == nullptr) continue;
+        for (int k = 0; k < 8 && d + k < dim; ++k) acc[k] = fmaf(w[u], Num<Y>::load(row[u][k]), acc[k]);
+      }
     }
   }
   if (vec) {
