@@ -18,6 +18,9 @@
 //     over the cluster), RoPE, quantise and store the entry's slice. With several closing tokens a CTA and one
 //     batch a thread, the slots of the next two closing tokens are copied to shared memory (cp.async, each thread
 //     its own slots) while the current one is reduced and post-processed.
+// A chunk of one token (decode) skips the sort: every thread loads the token's metadata. Such calls (no cluster, no
+// pipeline) run the kOne instance of the kernel, with those as constants: a decode step runs its three compressors
+// back to back from cold instruction caches, and the compact instance is about half the code.
 // For token t (position p of request slot r; the request's tokens in this call are [s, e), contiguous in the
 // batch), window w = [w*m, (w+1)*m), w0 = s / m the window open when the call starts, open_end = (e / m) * m:
 //   * if t closes window w, pool its slots, cast, RMS-norm, RoPE at position w*m, quantise, and write the entry
