@@ -718,71 +718,99 @@ __global__ void __launch_bounds__(64 * MT, 1) sparse_attn_mma_kernel(const Spars
   }
 }
 
+// A float4 load issued where it stands (volatile): the combine's loads of a round go out before their sums.
+__device__ __forceinline__ float4 ld_f4_pinned(const float* p) {
+  float4 v;
+  asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
+
 // Split partials -> output: o = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)). Block (row, chunk
-// of 128 columns): warp 0 lists the splits with keys and their weights; each of the 4 warps sums a quarter of them
-// (a float4 a lane, 8 loads in flight), and the quarters are added in a fixed order (deterministic).
+// of 128 columns): every warp lists the splits with keys and their weights (the same list, in its own shared
+// memory: no block barrier); each of the 4 warps sums a quarter of them (a float4 a lane, 8 loads in flight), and
+// the quarters are added in a fixed order (deterministic).
 constexpr int kCombineWarps = 4;
 template <typename T>
 __global__ void __launch_bounds__(32 * kCombineWarps) sparse_attn_combine_kernel(const SparseAttnArgs a) {
-  __shared__ float w_s[kMaxSplits];
-  __shared__ int live_s[kMaxSplits];
-  __shared__ int n_live_s;
-  __shared__ float inv_den_s;
+  constexpr int kPer = kMaxSplits / 32;  // splits a lane reads the (max, sum) of
+  __shared__ float w_s[kCombineWarps][kMaxSplits];
+  __shared__ int live_s[kCombineWarps][kMaxSplits];
   __shared__ float4 part_s[kCombineWarps][32];
   const int64_t t = blockIdx.x / a.heads;
   const int h = static_cast<int>(blockIdx.x % a.heads);
   const int ns = a.n_splits, dim = a.dim, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const float* ml = a.workspace + a.n_tokens * ns * a.heads * dim;
   const int64_t row0 = t * ns * a.heads + h;  // split s: row0 + s * heads
-  if (warp == 0) {
-    const float sink2 = a.sinks[h] * kLog2e;
-    float mm = sink2;
-    for (int s = lane; s < ns; s += 32) mm = fmaxf(mm, ml[2 * (row0 + s * a.heads)]);
-    mm = warp_max(mm);
-    float den = 0.0f;
-    int n_live = 0;
-    for (int s0 = 0; s0 < ns; s0 += 32) {
-      const int s = s0 + lane;
-      float w = 0.0f, l = 0.0f;
-      if (s < ns) {
-        w = exp2f(ml[2 * (row0 + s * a.heads)] - mm);  // a split without keys: 2^-inf = 0
-        l = ml[2 * (row0 + s * a.heads) + 1];
-      }
-      den += w * l;
-      const unsigned live = __ballot_sync(0xffffffffu, w != 0.0f);
-      if (w != 0.0f) {
-        const int at = n_live + __popc(live & ((1u << lane) - 1u));
-        w_s[at] = w;
-        live_s[at] = s;
-      }
-      n_live += __popc(live);
-    }
-    den = warp_sum(den) + exp2f(sink2 - mm);
-    if (lane == 0) {
-      n_live_s = n_live;
-      inv_den_s = 1.0f / den;
+  // Every warp lists the splits with keys and their weights itself (its own copy: no block barrier before the sums),
+  // from the splits' (max, sum) pairs loaded in one round (loaded split after split, they were the kernel's chain)
+  float mv[kPer], lv[kPer];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int s = 32 * k + lane;
+    mv[k] = kNegInf;
+    lv[k] = 0.0f;
+    if (s < ns) {
+      mv[k] = ml[2 * (row0 + s * a.heads)];
+      lv[k] = ml[2 * (row0 + s * a.heads) + 1];
     }
   }
-  __syncthreads();
-  const int n_live = n_live_s;
+  const float sink2 = a.sinks[h] * kLog2e;
+  float mm = sink2;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) mm = fmaxf(mm, mv[k]);
+  mm = warp_max(mm);
+  float den = 0.0f;
+  int n_live = 0;
+  float* w_w = w_s[warp];
+  int* live_w = live_s[warp];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    if (32 * k >= ns) break;
+    const int s = 32 * k + lane;
+    float w = 0.0f, l = 0.0f;
+    if (s < ns) {
+      w = exp2f(mv[k] - mm);  // a split without keys: 2^-inf = 0
+      l = lv[k];
+    }
+    den += w * l;
+    const unsigned live = __ballot_sync(0xffffffffu, w != 0.0f);
+    if (w != 0.0f) {
+      const int at = n_live + __popc(live & ((1u << lane) - 1u));
+      w_w[at] = w;
+      live_w[at] = s;
+    }
+    n_live += __popc(live);
+  }
+  den = warp_sum(den) + exp2f(sink2 - mm);
+  __syncwarp();
   const int d = blockIdx.y * 128 + lane * 4;
   const bool in = d < dim;
   float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  constexpr int kU = 8;
-  for (int i = warp * kU; i < n_live; i += kCombineWarps * kU) {
-    float4 v[kU];
+  // the warp's batches of kU splits (batch i: splits [i, i + kU), i = warp * kU + k * kCombineWarps * kU), kB
+  // batches' rows in flight at once (one round for up to 96 live splits), summed batch after batch
+  constexpr int kU = 8, kB = 3, kStride = kCombineWarps * kU;
+  for (int i0 = warp * kU; i0 < n_live; i0 += kB * kStride) {
+    float4 v[kB][kU];
 #pragma unroll
-    for (int u = 0; u < kU; ++u)
-      v[u] = in && i + u < n_live
-                 ? *reinterpret_cast<const float4*>(a.workspace + (row0 + live_s[i + u] * a.heads) * dim + d)
-                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int b = 0; b < kB; ++b) {
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const float w = i + u < n_live ? w_s[i + u] : 0.0f;
-      o.x = fmaf(w, v[u].x, o.x);
-      o.y = fmaf(w, v[u].y, o.y);
-      o.z = fmaf(w, v[u].z, o.z);
-      o.w = fmaf(w, v[u].w, o.w);
+      for (int u = 0; u < kU; ++u) {
+        const int i = i0 + b * kStride + u, ic = i < n_live ? i : 0;  // a load always (then zeroed): in flight together
+        v[b][u] = ld_f4_pinned(a.workspace + (row0 + live_w[ic] * a.heads) * dim + (in ? d : 0));
+        if (!in || i >= n_live) v[b][u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kB; ++b) {
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int i = i0 + b * kStride + u;
+        const float w = i < n_live ? w_w[i] : 0.0f;
+        o.x = fmaf(w, v[b][u].x, o.x);
+        o.y = fmaf(w, v[b][u].y, o.y);
+        o.z = fmaf(w, v[b][u].z, o.z);
+        o.w = fmaf(w, v[b][u].w, o.w);
+      }
     }
   }
   part_s[warp][lane] = o;
@@ -795,7 +823,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) sparse_attn_combine_kernel
     o.z += p.z;
     o.w += p.w;
   }
-  const float inv_den = inv_den_s;
+  const float inv_den = 1.0f / den;
   T* out = static_cast<T*>(a.out) + (t * a.heads + h) * dim + d;
   out[0] = Num<T>::store(o.x * inv_den);
   out[1] = Num<T>::store(o.y * inv_den);
