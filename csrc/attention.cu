@@ -727,7 +727,7 @@ __device__ __forceinline__ float4 ld_f4_pinned(const float* p) {
 
 // Split partials -> output: o = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)). Block (row, chunk
 // of 128 columns): every warp lists the splits with keys and their weights (the same list, in its own shared
-// memory: no block barrier); each of the 4 warps sums a quarter of them (a float4 a lane, 8 loads in flight), and
+// memory: no block barrier); each of the 4 warps sums a quarter of them (a float4 a lane, 24 loads in flight), and
 // the quarters are added in a fixed order (deterministic).
 constexpr int kCombineWarps = 4;
 template <typename T>
