@@ -328,6 +328,9 @@ FORCED_CONFIGS = {
     "chunk5_g4": {"CHUNK": "5", "GROUPS": "4"},
     "cluster2_chunk16_g8": {"CLUSTER": "2", "CHUNK": "16", "GROUPS": "8"},
     "cluster4_chunk2_g16": {"CLUSTER": "4", "CHUNK": "2", "GROUPS": "16"},
+    # a token a CTA in a cluster: the one-token path of the general instance (without a cluster, chunk1_g4 runs the
+    # compact kOne instance)
+    "cluster2_chunk1_g4": {"CLUSTER": "2", "CHUNK": "1", "GROUPS": "4"},
     "no_pdl": {"PDL": "0"},
     # the bulk grid behind the online kernel (HCA's interior windows: the prefill and mixed scenarios; the overlap
     # compressors have none, so these run their defaults)
