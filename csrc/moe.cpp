@@ -8,7 +8,9 @@
 // that plan and combine inside themselves instead. Knobs, read at each call (so at capture time for a CUDA graph):
 // DSV4RT_MOE_PDL=0 turns off the programmatic dependent launches, DSV4RT_MOE_TINY=n sends batches of at most n
 // tokens (n <= 8; 0: none) to the tiny path, DSV4RT_MOE_TINY_PREFETCH=0 turns off its L2 prefetch of the down
-// projection's first expert, DSV4RT_MOE_EARLY=0 ignores x_ready (the shared expert then waits for the routing too).
+// projection's first expert, DSV4RT_MOE_EARLY=0 ignores x_ready (the shared expert then waits for the routing too),
+// DSV4RT_MOE_DIRECT=0 runs the plan kernel for one-token calls too (moe.h, MoeExpertsArgs::direct), DSV4RT_MOE_KEEP=0
+// turns off the L2 prefetch of the shared expert's down rows during the routing (MoeExpertsArgs::keep_shared).
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -236,6 +238,8 @@ at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& w13, const at
   if (!grouped) {
     at::Tensor act = at::empty({rows, inter}, x.options());
     at::Tensor y = at::empty({rows, dim}, x.options().dtype(at::kFloat));
+    a.direct = env_int("DSV4RT_MOE_DIRECT", 1) != 0;  // the launcher takes it for one-token calls only
+    a.keep_shared = env_int("DSV4RT_MOE_KEEP", 1) != 0;
     check_launch(dsv4rt::moe_experts_small_launch(a, act.data_ptr(), y.data_ptr<float>(), tensor_cores, stream),
                  "moe_experts");
     return out;

@@ -8,7 +8,9 @@
 //
 // Experts. A plan kernel (one CTA) turns ids [T, k] into the per-expert pair lists on the device: counts, offsets,
 // the distinct chosen experts ("slots", ascending) and the pairs (token, choice) grouped by expert. Ids outside
-// [0, E) are dropped, as the reference gives them no weight. Then, for small batches:
+// [0, E) are dropped, as the reference gives them no weight. A one-token call (direct) needs no plan: slot s is choice
+// s, its expert read from ids by the GEMV kernels, the combine takes pair j from row j of y (an id outside [0, E):
+// the slot exits, the combine skips it), and the routing chain ends at the router. Then, for small batches:
 //   * up: grid (I/8 tiles, S slots); a CTA takes 8 gate rows and the matching 8 up rows of its slot's expert, its
 //     4 warps split D. Tensor cores (mma m16n8k16, fp32 accumulation) multiply those 16 rows by up to 8 of the
 //     expert's tokens at a time: rows are the A operand loaded straight from global memory in 16-byte vectors
@@ -57,6 +59,23 @@ constexpr int kCombineBatch = 8;   // choices (and the shared expert) whose rows
 __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+// The shared expert's down rows: prefetched into L2 as last to be evicted while the routing runs (see keep_shared in
+// GemvArgs), then back to normal priority once the down kernel has read them (128-byte lines).
+__device__ __forceinline__ void prefetch_l2_keep(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(p), "r"(bytes), "l"(pol)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void l2_normal_priority(const void* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("applypriority.global.L2::evict_normal [%0], 128;" ::"l"(p) : "memory");
 #endif
 }
 
@@ -445,11 +464,19 @@ struct GemvArgs {
   void* act;        // [P + Ts, I]
   float* y;         // [P + Ts, D]
   MoePlan plan;
+  const int32_t* ids;  // [T, k] (direct: slot s is choice s of the one token)
   int64_t dim, inter;
   int n_tokens, n_pairs;
   int n_slots;      // routed slots; slot n_slots (when sg is set) is the shared expert: every token, rows P + t
+  int n_experts;
   float limit;
   bool x_ready;     // MoeExpertsArgs::x_ready: the shared slot's up CTAs run before the wait for the plan
+  bool direct;      // MoeExpertsArgs::direct: no plan; slot s = choice s, pair s, token 0
+  // With x_ready (the routing runs while the shared slot's up CTAs stream their rows, and no routed weight can be
+  // read before it ends): those CTAs also prefetch the shared expert's down rows into L2 as last to be evicted, so
+  // that the down kernel reads them from L2 while the routed rows stream; its shared CTAs put the lines back to
+  // normal priority after use. MoeExpertsArgs::keep_shared.
+  bool keep_shared;
 };
 
 // Slots in reverse: the shared expert (the last slot, with every token: the longest CTAs) and the highest chosen
@@ -464,14 +491,29 @@ struct Slot {
   const T* down;
   int off, n;
   bool shared;
-  __device__ __forceinline__ int token(const MoePlan& p, int q) const { return shared ? q : p.pair_tok[off + q]; }
+  bool direct;  // GemvArgs::direct: the one token, q = 0
+  __device__ __forceinline__ int token(const MoePlan& p, int q) const {
+    return (shared || direct) ? q : p.pair_tok[off + q];
+  }
 };
+
+// The expert of routed slot s (-1: unused), from the plan or, direct, from ids (an id outside [0, E): unused);
+// any value for the shared slot. l2: an L2 load (the down kernel reads it before its wait, see there).
+__device__ __forceinline__ int slot_expert(const GemvArgs& a, int s, bool l2) {
+  if (s >= a.n_slots) return 0;
+  if (a.direct) {
+    const int e = l2 ? __ldcg(a.ids + s) : a.ids[s];
+    return static_cast<unsigned>(e) < static_cast<unsigned>(a.n_experts) ? e : -1;
+  }
+  return l2 ? __ldcg(a.plan.slot_expert + s) : a.plan.slot_expert[s];
+}
 
 // e: the slot's expert (any value for the shared slot); false when the slot is unused.
 template <typename T>
 __device__ __forceinline__ bool slot_rows(const GemvArgs& a, int s, int e, Slot<T>& sl) {
   const int64_t D = a.dim, I = a.inter;
   sl.shared = s == a.n_slots;
+  sl.direct = a.direct;
   if (sl.shared) {
     sl.gate = static_cast<const T*>(a.sg);
     sl.up = static_cast<const T*>(a.su);
@@ -491,6 +533,9 @@ __device__ __forceinline__ void slot_pairs(const GemvArgs& a, int s, Slot<T>& sl
   if (sl.shared) {
     sl.off = a.n_pairs;
     sl.n = a.n_tokens;
+  } else if (sl.direct) {
+    sl.off = s;
+    sl.n = 1;
   } else {
     sl.off = a.plan.slot_off[s];
     sl.n = a.plan.slot_off[s + 1] - sl.off;
@@ -507,9 +552,15 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_up_mma_kernel(const GemvA
   if (!early) {
     pdl_wait();
     pdl_launch_dependents();
+  } else if (a.keep_shared && threadIdx.x == 0) {  // this CTA's share of the shared down rows, 16-byte pieces
+    const int64_t total = a.dim * a.inter * static_cast<int64_t>(sizeof(T)) / 16;
+    const int64_t per = (total + gridDim.x - 1) / gridDim.x, q0 = per * blockIdx.x;
+    const int64_t n = (q0 < total ? (total - q0 < per ? total - q0 : per) : 0) * 16;
+    const char* base = static_cast<const char*>(a.sd) + q0 * 16;
+    for (int64_t o = 0; o < n; o += 65536) prefetch_l2_keep(base + o, static_cast<uint32_t>(n - o < 65536 ? n - o : 65536));
   }
   Slot<T> sl;
-  if (!slot_rows<T>(a, s, s < a.n_slots ? a.plan.slot_expert[s] : 0, sl)) return;
+  if (!slot_rows<T>(a, s, slot_expert(a, s, false), sl)) return;
   slot_pairs<T>(a, s, sl);
   const int off = sl.off, n = sl.n;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
@@ -594,10 +645,12 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_down_mma_kernel(const Gem
   const int s = slot_of_block();
   const int64_t D = a.dim, I = a.inter;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * 16;
-  // The plan was written two launches back; the up kernel waited for it before any of its CTAs let this grid start.
+  // The plan (direct: the router's ids) was written two launches back (direct: by the grid before the up kernel); the
+  // up kernel waited for it before any of its CTAs let this grid start.
   Slot<T> sl;
-  const bool used = slot_rows<T>(a, s, s < a.n_slots ? __ldcg(a.plan.slot_expert + s) : 0, sl);
-  if (used && threadIdx.x < 16) {  // the CTA's weight tile into L2 while the up kernel drains
+  const bool used = slot_rows<T>(a, s, slot_expert(a, s, true), sl);
+  const bool kept = a.keep_shared && a.x_ready && sl.shared;  // its tile is in L2 already (see keep_shared)
+  if (used && !kept && threadIdx.x < 16) {  // the CTA's weight tile into L2 while the up kernel drains
     prefetch_l2(sl.down + (r0 + threadIdx.x) * I, static_cast<uint32_t>(I * sizeof(T)));
   }
   pdl_wait();
@@ -677,6 +730,13 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_down_mma_kernel(const Gem
     }
     __syncthreads();
   }
+  if (kept) {  // the tile's lines back to normal priority (see keep_shared)
+    const uintptr_t t0 = reinterpret_cast<uintptr_t>(sl.down + r0 * I) & ~uintptr_t{127};
+    const uintptr_t t1 = reinterpret_cast<uintptr_t>(sl.down + (r0 + 16) * I);
+    for (uintptr_t p = t0 + threadIdx.x * 128; p < t1; p += blockDim.x * 128) {
+      l2_normal_priority(reinterpret_cast<const void*>(p));
+    }
+  }
 }
 
 // Plain fp32-FMA versions (float32 weights, or shapes the mma path does not take): a warp per output row, lanes
@@ -687,7 +747,7 @@ __global__ void __launch_bounds__(kGemvThreads) moe_up_simple_kernel(const GemvA
   const int64_t D = a.dim, I = a.inter;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kGemvWarps + (threadIdx.x >> 5);
   Slot<T> sl;
-  if (!slot_rows<T>(a, s, s < a.n_slots ? a.plan.slot_expert[s] : 0, sl) || i >= I) return;
+  if (!slot_rows<T>(a, s, slot_expert(a, s, false), sl) || i >= I) return;
   slot_pairs<T>(a, s, sl);
   const int lane = threadIdx.x & 31;
   const T* wg = sl.gate + i * D;
@@ -717,7 +777,7 @@ __global__ void __launch_bounds__(kGemvThreads) moe_down_simple_kernel(const Gem
   const int64_t D = a.dim, I = a.inter;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kGemvWarps + (threadIdx.x >> 5);
   Slot<T> sl;
-  if (!slot_rows<T>(a, s, s < a.n_slots ? a.plan.slot_expert[s] : 0, sl) || r >= D) return;
+  if (!slot_rows<T>(a, s, slot_expert(a, s, false), sl) || r >= D) return;
   slot_pairs<T>(a, s, sl);
   const int lane = threadIdx.x & 31;
   const T* w = sl.down + r * I;
@@ -1201,13 +1261,16 @@ __device__ __forceinline__ void load8<__half>(const __half* p, float (&f)[8]) {
 }
 
 // out[t, d] = sum_j weights[t, j] * y[pos_of[t, j], d] (+ shared_y[t, d]) (fp32, j ascending, the shared expert
-// last); grid (T, ceil(D / 1024)).
+// last); grid (T, ceil(D / 1024)). direct_ids (the small path's direct mode): no plan, pair t * k + j is row t * k + j
+// of y, absent when its id is outside [0, E).
 template <typename T, typename Y>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const Y* y, int64_t y_stride,
                                                                       const Y* shared_y, int64_t shared_stride,
                                                                       const float* __restrict__ weights,
-                                                                      const int32_t* pos_of, T* __restrict__ out,
-                                                                      int64_t dim, int topk, bool vec) {
+                                                                      const int32_t* pos_of,
+                                                                      const int32_t* direct_ids, int n_experts,
+                                                                      T* __restrict__ out, int64_t dim, int topk,
+                                                                      bool vec) {
   pdl_wait();
   pdl_launch_dependents();
   const int64_t t = blockIdx.x;
@@ -1227,8 +1290,13 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const Y* y
       p[u] = -1;
       w[u] = 1.0f;  // the shared expert's weight
       if (j < topk) {
-        p[u] = pos_of[t * topk + j];  // < 0: an id outside [0, E), no contribution, as in the reference
-        w[u] = weights[t * topk + j];
+        const int64_t q = t * topk + j;
+        if (direct_ids != nullptr) {
+          p[u] = static_cast<unsigned>(direct_ids[q]) < static_cast<unsigned>(n_experts) ? static_cast<int>(q) : -1;
+        } else {
+          p[u] = pos_of[q];  // < 0: an id outside [0, E), no contribution, as in the reference
+        }
+        w[u] = weights[q];
       } else if (j < n_terms) {
         p[u] = 0;
       }
@@ -1299,6 +1367,10 @@ GemvArgs gemv_args(const MoeExpertsArgs& a, void* act, float* y) {
   g.act = act;
   g.y = y;
   g.plan = a.plan;
+  g.ids = a.ids;
+  g.direct = a.direct;
+  g.keep_shared = a.keep_shared;
+  g.n_experts = a.n_experts;
   g.dim = a.dim;
   g.inter = a.inter;
   g.n_tokens = static_cast<int>(a.n_tokens);
@@ -1398,17 +1470,19 @@ cudaError_t moe_combine_launch(const MoeExpertsArgs& a, const void* y, bool y_f3
   const dim3 grid(static_cast<unsigned>(a.n_tokens),
                   static_cast<unsigned>((a.dim + 8 * kCombineThreads - 1) / (8 * kCombineThreads)));
   const bool vec = a.dim % 8 == 0 && y_stride % 8 == 0 && (shared_y == nullptr || shared_stride % 8 == 0);
+  const int32_t* direct_ids = a.direct ? a.ids : nullptr;
   return with_dtype(a.dtype, [&](auto tag) {
     using T = decltype(tag);
     if (y_f32) {
       return launch(moe_combine_kernel<T, float>, grid, dim3(kCombineThreads), 0, stream, a.pdl,
                     static_cast<const float*>(y), y_stride, static_cast<const float*>(shared_y), shared_stride,
-                    a.weights, static_cast<const int32_t*>(a.plan.pos_of), static_cast<T*>(a.out), a.dim, a.topk,
-                    vec);
+                    a.weights, static_cast<const int32_t*>(a.plan.pos_of), direct_ids, a.n_experts,
+                    static_cast<T*>(a.out), a.dim, a.topk, vec);
     }
     return launch(moe_combine_kernel<T, T>, grid, dim3(kCombineThreads), 0, stream, a.pdl, static_cast<const T*>(y),
                   y_stride, static_cast<const T*>(shared_y), shared_stride, a.weights,
-                  static_cast<const int32_t*>(a.plan.pos_of), static_cast<T*>(a.out), a.dim, a.topk, vec);
+                  static_cast<const int32_t*>(a.plan.pos_of), direct_ids, a.n_experts, static_cast<T*>(a.out), a.dim,
+                  a.topk, vec);
   });
 }
 
@@ -1458,12 +1532,14 @@ cudaError_t moe_experts_tiny_launch(const MoeExpertsArgs& a, void* act, cudaStre
   });
 }
 
-cudaError_t moe_experts_small_launch(const MoeExpertsArgs& a, void* act, float* y, bool tensor_cores,
+cudaError_t moe_experts_small_launch(const MoeExpertsArgs& args, void* act, float* y, bool tensor_cores,
                                      cudaStream_t stream) {
+  MoeExpertsArgs a = args;
+  a.direct = args.direct && a.n_tokens == 1 && a.topk <= a.n_experts;  // then slots = choices: no plan
   const GemvArgs g = gemv_args(a, act, y);
   const bool shared = a.shared_gate != nullptr;
   const unsigned slots = static_cast<unsigned>(n_slots(a) + (shared ? 1 : 0));
-  cudaError_t err = moe_plan_launch(a, stream);
+  cudaError_t err = a.direct ? cudaSuccess : moe_plan_launch(a, stream);
   if (err != cudaSuccess) return err;
   if (tensor_cores && a.dtype != kMoeF32) {
     // Token groups per pass from the shape only: a slot holds at most T tokens (more only with repeated ids).

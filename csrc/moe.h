@@ -74,6 +74,14 @@ struct MoeExpertsArgs {
   // router kernels, then this call). The plan kernel then lets its successor start at once, and the shared expert's
   // gate/up work (which needs x but no routing) runs before the wait for the routing.
   bool x_ready;
+  // Small path, one token (and k <= E): slot s is choice s, its expert ids[0, s] read directly by the GEMV and
+  // combine kernels, and no plan kernel runs (the routing chain ends at the router). Set by the binding when allowed
+  // (DSV4RT_MOE_DIRECT=0: never); the small-path launcher applies it to one-token calls only.
+  bool direct;
+  // With x_ready, the small path's shared-expert up CTAs also prefetch the shared down rows into L2 (last to be
+  // evicted) while the routing runs; the down kernel reads them from there and resets their priority
+  // (DSV4RT_MOE_KEEP=0: off).
+  bool keep_shared;
 };
 
 // Tiny batches (T <= moe_tiny_max_tokens, T * k <= moe_tiny_max_pairs, bf16/fp16, D and I multiples of 32; the

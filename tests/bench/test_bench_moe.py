@@ -19,7 +19,9 @@ Targets (issue 6), against ceilings measured in the same run:
     is printed as the chunk's other floor.
 The knobs benchmark compares the expert op (and the fused call) at small batches with its default settings, with
 x_ready ignored (DSV4RT_MOE_EARLY=0), without programmatic launches, and on the other small-batch path (the tiny path,
-DSV4RT_MOE_TINY=8, or the GEMV path, DSV4RT_MOE_TINY=0) with and without x_ready and the tiny L2 prefetch. The profile benchmark
+DSV4RT_MOE_TINY=8, or the GEMV path, DSV4RT_MOE_TINY=0) with and without x_ready and the tiny L2 prefetch; and with a
+one-token call through the plan kernel (DSV4RT_MOE_DIRECT=0) and without the L2 prefetch of the shared expert's down
+rows during the routing (DSV4RT_MOE_KEEP=0). The profile benchmark
 prints the kernels of one fused call (CUDA-graph replay under torch.profiler, programmatic launches off); the timeline
 benchmark when each kernel of a batch-1 call starts and ends with them on. The crossover benchmark times both
 expert paths (GEMV kernels, grouped GEMMs) at sizes around the threshold.
@@ -161,6 +163,9 @@ KNOBS = {  # name -> environment of csrc/moe.cpp at capture time
     "tiny": {"DSV4RT_MOE_TINY": "8"},
     "tiny_no_early": {"DSV4RT_MOE_TINY": "8", "DSV4RT_MOE_EARLY": "0"},
     "tiny_no_prefetch": {"DSV4RT_MOE_TINY": "8", "DSV4RT_MOE_TINY_PREFETCH": "0"},
+    "plan": {"DSV4RT_MOE_DIRECT": "0"},
+    "no_keep": {"DSV4RT_MOE_KEEP": "0"},
+    "plan_no_keep": {"DSV4RT_MOE_DIRECT": "0", "DSV4RT_MOE_KEEP": "0"},
 }
 
 
@@ -233,8 +238,9 @@ def test_bench_moe_profile(benchmark, moe_weights, tokens, monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("knob", ["default", "plan_no_keep"])
 @pytest.mark.parametrize("variant", ["fused", "experts"])
-def test_bench_moe_timeline(benchmark, moe_weights, copy_bandwidth, variant):
+def test_bench_moe_timeline(benchmark, moe_weights, copy_bandwidth, variant, knob, monkeypatch):
     """Batch 1 with programmatic launches on (as the model runs): when each kernel of a call starts and ends,
     relative to the call's first kernel, averaged over the middle calls of a graph of 16 (input sets cycled), from
     torch.profiler's trace. Shows how long the routing chain (gate -> route -> plan) holds back the routed experts."""
@@ -242,6 +248,8 @@ def test_bench_moe_timeline(benchmark, moe_weights, copy_bandwidth, variant):
     import re
     import tempfile
     from torch.profiler import ProfilerActivity, profile
+    for k, v in KNOBS[knob].items():
+        monkeypatch.setenv(k, v)
     sets, distinct = _inputs(1, moe_weights)
     repeats = 16
     graph, per_call = _time_call(_variant(variant, moe_weights), sets, repeats)
@@ -255,7 +263,9 @@ def test_bench_moe_timeline(benchmark, moe_weights, copy_bandwidth, variant):
         with open(path) as f:
             events = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"),
                             key=lambda e: e["ts"])
-    first = "moe_gate" if variant == "fused" else "moe_plan"
+    # the call's first kernel: the gate, else the plan, or the up kernel of a one-token call without one
+    plan = any("moe_plan" in e["name"] for e in events)
+    first = "moe_gate" if variant == "fused" else ("moe_plan" if plan else "moe_up")
     calls: list[list[dict]] = []
     for e in events:
         if first in e["name"]:
@@ -264,7 +274,7 @@ def test_bench_moe_timeline(benchmark, moe_weights, copy_bandwidth, variant):
             calls[-1].append(e)
     assert len(calls) == repeats, f"expected {repeats} calls in the trace, found {len(calls)}"
     middle = calls[4:-2]
-    lines = [f"T=    1 {variant:8s} timeline: {per_call * 1e6:.1f} us/call = {per_call / floor:.3f}x the "
+    lines = [f"T=    1 {variant:8s} {knob} timeline: {per_call * 1e6:.1f} us/call = {per_call / floor:.3f}x the "
              f"{distinct:.1f}-expert read (start / end us after the call's first kernel, mean of {len(middle)} calls)"]
     for i, e in enumerate(middle[0]):
         start = statistics.mean(c[i]["ts"] - c[0]["ts"] for c in middle)

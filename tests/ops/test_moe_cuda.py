@@ -46,17 +46,22 @@ GROUPED_MIN_PAIRS = 3072  # csrc/moe.cpp: T * k (+ T with a shared expert) above
 TINY_TOKENS = 8  # csrc/moe.h: T <= 8 and T * k <= 64 can run the tiny path (bf16/fp16; DSV4RT_MOE_TINY picks)
 
 
-@pytest.fixture(params=["default", "tiny"])
+@pytest.fixture(params=["default", "tiny", "plan"])
 def small_path(request, monkeypatch):
-    """Runs a test on the default paths and again with every batch of up to 8 tokens on the tiny path."""
+    """Runs a test on the default paths, again with every batch of up to 8 tokens on the tiny path, and again with
+    one-token calls through the plan kernel (DSV4RT_MOE_DIRECT=0; the default reads their ids directly)."""
     if request.param == "tiny":
         monkeypatch.setenv("DSV4RT_MOE_TINY", str(TINY_TOKENS))
+    if request.param == "plan":
+        monkeypatch.setenv("DSV4RT_MOE_DIRECT", "0")
     return request.param
 
 
 def skip_if_same(path: str, n_tokens: int) -> None:
     if path == "tiny" and n_tokens > TINY_TOKENS:
         pytest.skip("the tiny path serves at most 8 tokens: the same run as the default")
+    if path == "plan" and n_tokens != 1:
+        pytest.skip("only one-token calls skip the plan kernel: the same run as the default")
 
 
 def poison_allocator(nbytes: int) -> None:
@@ -300,6 +305,26 @@ def test_experts_tiny_path_equals_gemv_path(flash_weights, n_tokens, monkeypatch
     assert_experts_close(tiny, want)
     assert_experts_close(gemv, want)
     assert_experts_close(tiny, gemv)
+
+
+@pytest.mark.parametrize("scenario", ["random", "every_token", "hash", "repeated", "out_of_range"])
+def test_experts_one_token_direct_equals_plan(flash_weights, scenario, monkeypatch):
+    """A one-token call reads its ids directly (no plan kernel): the same bits as through the plan, whatever the ids
+    (repeated ids, ids outside [0, E): no contribution)."""
+    w13, w2, shared = flash_weights
+    x, w, ids = flash_case(1, "hash" if scenario == "hash" else "random", seed=11)
+    if scenario == "every_token":
+        ids[0, 2] = 17
+    elif scenario == "repeated":
+        ids[0, 1:4] = ids[0, 0]
+    elif scenario == "out_of_range":
+        ids[0, 1], ids[0, 4] = -3, FLASH_E + 5
+    args = (x, w13, w2, w, ids, LIMIT, *shared)
+    direct = run_kernel(args)
+    monkeypatch.setenv("DSV4RT_MOE_DIRECT", "0")
+    plan = run_kernel(args)
+    assert torch.equal(direct, plan)
+    assert_experts_close(direct, moe_experts_ref(*args))
 
 
 # ------------------------------------------------------------------------------------------ experts, small dims
