@@ -867,18 +867,20 @@ __global__ void __launch_bounds__(kMaxThreads) compressor_update_kernel(const __
     ape[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (pipe && x.pools && j < x.n_pool) ape[u] = ld4(a.ape + slot_qm(j, m) * cw + slot_half(a, j) + x.col);
   }
-  pdl_wait();  // the previous grid's writes are visible
-
   const int64_t t0 = static_cast<int64_t>(blockIdx.x / x.K) * chunk;
-  int n_close = 0, n_row = 0;
   Tok one{};  // chunk == 1: the token, in every thread's registers
-  if (chunk == 1) {  // one token (decode): every thread loads its metadata, no lists, no barriers
-    if (t0 >= a.n_tokens) return;
-    one.t = t0;
+  if (chunk == 1 && t0 < a.n_tokens) {  // one token (decode): every thread loads its metadata, before the wait
+    one.t = t0;                          // (step metadata, launch.cuh), no lists, no barriers
     one.r = a.req_slot[t0];
     one.p = a.positions[t0];
     one.s = a.start_pos[t0];
     one.e = a.end_pos[t0];
+  }
+  pdl_wait();  // the previous grid's writes are visible
+
+  int n_close = 0, n_row = 0;
+  if (chunk == 1) {
+    if (t0 >= a.n_tokens) return;
     if (one.r < 0 || one.r >= a.n_slots) return;  // a PAD token (the reference uses the spare slot)
     one.open_start = floor_div(one.s, m) * m;
     const int work = token_work(a, one.p, one.s, one.e);
@@ -1080,10 +1082,8 @@ __global__ void __launch_bounds__(kOnlineMaxThreads) compressor_online_kernel(co
 
   // constants of the post-processing (weights: complete before the previous grid started)
   const Consts cs = load_consts(a, x);
-  pdl_wait();  // the previous grid's writes are visible
-  if (bulk) pdl_launch_dependents();
 
-  // --- the chunk's items (a token per thread), in token order
+  // --- the chunk's items (a token per thread), in token order; step metadata, loaded before the wait (launch.cuh)
   const int64_t t0 = static_cast<int64_t>(blockIdx.x / R) * chunk;
   const int lane = x.tid & 31, warp = x.tid >> 5;
   int r = -1, p = 0, s = 0, e = 0;
@@ -1100,6 +1100,8 @@ __global__ void __launch_bounds__(kOnlineMaxThreads) compressor_online_kernel(co
       item = (closes && (owner || !bulk)) || (p == e - 1 && owner);  // with a bulk grid: only the owner's close
     }
   }
+  pdl_wait();  // the previous grid's writes are visible
+  if (bulk) pdl_launch_dependents();
   const unsigned ballot = __ballot_sync(0xffffffffu, item);
   int n_items = 0;
   if (chunk == 1) {

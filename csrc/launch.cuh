@@ -29,7 +29,11 @@ __device__ __forceinline__ T* cluster_map(T* p, unsigned rank) {
 
 // Programmatic dependent launch (sm_90+, no-ops before): a grid launched with programmatic stream serialization
 // may be scheduled once every CTA of the grid before it has called pdl_launch_dependents() (or exited); pdl_wait()
-// returns when the previous grid has completed and its writes are visible.
+// returns when the previous grid has completed and its writes are visible. Every CTA calls pdl_wait() before it
+// exits, so a grid completes only after the one before it, and so on back. Step metadata (request slots, positions,
+// request bounds, block tables: the prepare step's inputs) may be read before the wait: no dsv4rt kernel writes
+// them, and a grid that does (a torch op, any launch without early triggers) completes before the next grid starts,
+// so it completes before any later grid starts too.
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -79,8 +79,8 @@ struct MoeExpertsArgs {
   // (DSV4RT_MOE_DIRECT=0: never); the small-path launcher applies it to one-token calls only.
   bool direct;
   // With x_ready, the small path's shared-expert up CTAs also prefetch the shared down rows into L2 (last to be
-  // evicted) while the routing runs; the down kernel reads them from there and resets their priority
-  // (DSV4RT_MOE_KEEP=0: off).
+  // evicted) while the routing runs; the down kernel reads them from there and resets their priority (the binding
+  // sets it for calls of up to 8 tokens; DSV4RT_MOE_KEEP=0: never).
   bool keep_shared;
 };
 
