@@ -845,8 +845,9 @@ __device__ void process_closer(const CompressorArgs& a, const Ctx& x, const Shar
 
 // kOne: the decode instance (a token a CTA, no cluster, no pipeline) with those as constants, so that the code a
 // decode step runs is compact (the three compressors of a step run back to back from cold instruction caches).
+// The kernel's body for CTA `block` of the call's grid (the pair kernel runs two calls' bodies in one grid).
 template <typename OutT, int QUANT, bool kOne>
-__global__ void __launch_bounds__(kMaxThreads) compressor_update_kernel(const __grid_constant__ CompressorArgs a) {
+__device__ __forceinline__ void update_body(const CompressorArgs& a, int64_t block) {
   pdl_launch_dependents();
   extern __shared__ float4 smem[];
   constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
@@ -867,7 +868,7 @@ __global__ void __launch_bounds__(kMaxThreads) compressor_update_kernel(const __
     ape[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (pipe && x.pools && j < x.n_pool) ape[u] = ld4(a.ape + slot_qm(j, m) * cw + slot_half(a, j) + x.col);
   }
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x / x.K) * chunk;
+  const int64_t t0 = block / x.K * chunk;
   Tok one{};  // chunk == 1: the token, in every thread's registers
   if (chunk == 1 && t0 < a.n_tokens) {  // one token (decode): every thread loads its metadata, before the wait
     one.t = t0;                          // (step metadata, launch.cuh), no lists, no barriers
@@ -951,6 +952,25 @@ __global__ void __launch_bounds__(kMaxThreads) compressor_update_kernel(const __
     process_closer<OutT, QUANT>(a, x, sh, cs, t0, chunk, k, n_close, pipe, ape, round, one);
   if (pipe) cp_async_wait<0>();
   if (x.K > 1 && n_close > 0) cluster_sync();  // no CTA exits while another may still read its shared memory
+}
+
+template <typename OutT, int QUANT, bool kOne>
+__global__ void __launch_bounds__(kMaxThreads) compressor_update_kernel(const __grid_constant__ CompressorArgs a) {
+  update_body<OutT, QUANT, kOne>(a, blockIdx.x);
+}
+
+// Two decode calls (the CSA main and indexer compressors of one layer: a token a CTA each, no cluster, no pipeline)
+// in one grid: CTAs [0, T1) run the first call's kOne body, the rest the second's, with the larger call's block
+// size (the other's extra threads pool nothing and post-process nothing). The two calls touch disjoint tensors
+// apart from the shared metadata, so they need no order; one grid is one launch and one wait less in the chain.
+template <typename OutT, int Q1, int Q2>
+__global__ void __launch_bounds__(kMaxThreads)
+    compressor_pair_kernel(const __grid_constant__ CompressorArgs a1, const __grid_constant__ CompressorArgs a2) {
+  if (static_cast<int64_t>(blockIdx.x) < a1.n_tokens) {
+    update_body<OutT, Q1, true>(a1, blockIdx.x);
+  } else {
+    update_body<OutT, Q2, true>(a2, static_cast<int64_t>(blockIdx.x) - a1.n_tokens);
+  }
 }
 
 // ------------------------------------------------------------------ launch configuration (shapes only)
@@ -1511,7 +1531,57 @@ cudaError_t launch_quant(const CompressorArgs& a, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
+// The pair kernel when both calls run the kOne instance with these quantisations and this dtype; else false.
+template <typename OutT, int Q1, int Q2>
+bool launch_pair_typed(CompressorArgs a1, CompressorArgs a2, cudaStream_t stream, cudaError_t& err) {
+  if (a1.quant != Q1 || a2.quant != Q2) return false;
+  const Config c1 = pick_config<Q1>(a1), c2 = pick_config<Q2>(a2);
+  const bool one1 = c1.chunk == 1 && c1.cluster == 1 && !c1.pipe, one2 = c2.chunk == 1 && c2.cluster == 1 && !c2.pipe;
+  if (!one1 || !one2 || c1.pdl != c2.pdl) return false;
+  for (auto* p : {&a1, &a2}) {
+    const Config& c = p == &a1 ? c1 : c2;
+    p->cluster = c.cluster;
+    p->groups = c.groups;
+    p->chunk = c.chunk;
+    p->pipe = c.pipe;
+    p->bulk = p->bulk_wait = 0;
+  }
+  Config cfg = c1;
+  cfg.threads = c1.threads > c2.threads ? c1.threads : c2.threads;
+  cfg.smem = c1.smem > c2.smem ? c1.smem : c2.smem;
+  auto kernel = compressor_pair_kernel<OutT, Q1, Q2>;
+  if (cfg.smem > 48 * 1024) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cfg.smem));
+    if (err != cudaSuccess) return true;
+  }
+  err = launch_ex(kernel, dim3(static_cast<unsigned>(a1.n_tokens + a2.n_tokens)),
+                  dim3(static_cast<unsigned>(cfg.threads)), cfg.smem, stream, 1, cfg.pdl, a1, a2);
+  return true;
+}
+
 }  // namespace
+
+cudaError_t compressor_update_pair_launch(const CompressorArgs& a1, const CompressorArgs& a2, cudaStream_t stream) {
+  if (a1.n_tokens == 0 || a2.n_tokens == 0) {
+    const cudaError_t err = compressor_update_launch(a1, stream);
+    return err != cudaSuccess ? err : compressor_update_launch(a2, stream);
+  }
+  cudaError_t err = cudaSuccess;
+  if (a1.c == 2 && a2.c == 2 && a1.dtype == a2.dtype && env_int("DSV4RT_COMPRESSOR_PAIR", 1) != 0) {
+    bool done = false;
+    switch (static_cast<DType>(a1.dtype)) {
+      case DType::kBFloat16:
+        done = launch_pair_typed<__nv_bfloat16, kQuantFp8, kQuantFp4>(a1, a2, stream, err) ||
+               launch_pair_typed<__nv_bfloat16, kQuantNone, kQuantNone>(a1, a2, stream, err);
+        break;
+      default:
+        break;
+    }
+    if (done) return err;
+  }
+  err = compressor_update_launch(a1, stream);  // two launches: other shapes, formats and dtypes
+  return err != cudaSuccess ? err : compressor_update_launch(a2, stream);
+}
 
 cudaError_t compressor_update_launch(const CompressorArgs& a, cudaStream_t stream) {
   if (a.n_tokens == 0) return cudaSuccess;

@@ -47,4 +47,10 @@ struct CompressorArgs {
 
 cudaError_t compressor_update_launch(const CompressorArgs& args, cudaStream_t stream);
 
+// Two overlap calls on the same tokens (the CSA main and indexer compressors of a layer): one grid when both are
+// decode-sized (a token a CTA) with bf16 entries and FP8 / FP4 or unquantised rows, else the two launches above
+// (DSV4RT_COMPRESSOR_PAIR=0: always two launches).
+cudaError_t compressor_update_pair_launch(const CompressorArgs& first, const CompressorArgs& second,
+                                          cudaStream_t stream);
+
 }  // namespace dsv4rt

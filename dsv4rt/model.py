@@ -64,10 +64,13 @@ class Compressor(nn.Module):
         self.position_bias = _param(ratio, c * width, dtype=torch.float32)
         self.kv_norm = Norm(width)
 
+    def rows(self, x32: Tensor) -> tuple[Tensor, Tensor]:
+        """The step's (kv, score) rows [T, c*d] fp32."""
+        return F.linear(x32, self.kv_proj.weight), F.linear(x32, self.gate_proj.weight)
+
     def update(self, x32: Tensor, st: StepTensors, inv_freq: Tensor, kv_state: Tensor, score_state: Tensor,
                entries: Tensor, quant: int, eps: float, dtype: torch.dtype) -> None:
-        kv = F.linear(x32, self.kv_proj.weight)
-        score = F.linear(x32, self.gate_proj.weight)
+        kv, score = self.rows(x32)
         compressor.compressor_update(kv, score, self.position_bias, self.kv_norm.weight, inv_freq, kv_state,
                                      score_state, entries, st.req_slot, st.positions, st.start_pos, st.end_pos,
                                      st.block_table, self.ratio, self.overlap, quant, eps, dtype)
@@ -126,12 +129,17 @@ class Attention(nn.Module):
         if self.layer_type != SLIDING:
             comp = self.compressor
             x32 = x.float()
-            comp.update(x32, st, inv_freq, lc.kv_state, lc.score_state, lc.entries, lc.main_quant, eps, x.dtype)
             entries, ratio = lc.entries, comp.ratio
-            if self.layer_type == CSA:
+            if self.layer_type != CSA:
+                comp.update(x32, st, inv_freq, lc.kv_state, lc.score_state, lc.entries, lc.main_quant, eps, x.dtype)
+            else:  # the main and indexer compressors in one op (one launch at decode)
                 ix = comp.indexer
-                ix.update(x32, st, inv_freq, lc.idx_kv_state, lc.idx_score_state, lc.idx_entries, lc.idx_quant,
-                          eps, x.dtype)
+                (kv_m, sc_m), (kv_i, sc_i) = comp.rows(x32), ix.rows(x32)
+                compressor.compressor_update_pair(
+                    kv_m, sc_m, comp.position_bias, comp.kv_norm.weight, lc.kv_state, lc.score_state, lc.entries,
+                    lc.main_quant, kv_i, sc_i, ix.position_bias, ix.kv_norm.weight, lc.idx_kv_state,
+                    lc.idx_score_state, lc.idx_entries, lc.idx_quant, inv_freq, st.req_slot, st.positions,
+                    st.start_pos, st.end_pos, st.block_table, comp.ratio, comp.overlap, eps, x.dtype)
                 qi = F.linear(qr, ix.q_b_proj.weight).view(n_tok, ix.n_heads, ix.head_dim)
                 qi = rope_rotate(qi, st.positions, inv_freq)
                 if lc.idx_quant != QUANT_NONE:  # official: Hadamard + FP4 on the indexer query too

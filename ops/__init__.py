@@ -20,7 +20,7 @@ from . import attention, compressor, indexer, kv_quant, mhc, moe, rope, swa  # n
 
 # The ops the model's forward calls (what a "native" step needs) ...
 STEP_OPS = (
-    "swa_cache_write", "compressor_update", "indexer_topk", "sparse_attn",
+    "swa_cache_write", "compressor_update", "compressor_update_pair", "indexer_topk", "sparse_attn",
     "moe_gate", "moe_route", "moe_hash_route", "moe_experts", "hc_pre", "hc_post", "hc_head",
 )
 # ... and every op of the namespace: the standalone FP8/FP4 row codecs serve tests and tools (the cache-write

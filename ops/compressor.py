@@ -30,17 +30,28 @@ torch.library.define(
     "Tensor(b!) score_state, Tensor(c!) entry_cache, Tensor req_slot, Tensor positions, Tensor start_pos, "
     "Tensor end_pos, Tensor block_table, int ratio, bool overlap, int quant, float eps, ScalarType dtype) -> ()",
 )
+# The two compressors of a CSA layer (main, indexer) on the same tokens: compressor_update on each, in one launch
+# when the kernel can pair them (decode). Per compressor: kv, score, ape, norm_weight, kv_state, score_state,
+# entry_cache, quant; shared: inv_freq, the step metadata, ratio, overlap, eps, dtype.
+torch.library.define(
+    "dsv4rt::compressor_update_pair",
+    "(Tensor kv, Tensor score, Tensor ape, Tensor norm_weight, Tensor(a!) kv_state, Tensor(b!) score_state, "
+    "Tensor(c!) entry_cache, int quant, Tensor kv2, Tensor score2, Tensor ape2, Tensor norm_weight2, "
+    "Tensor(d!) kv_state2, Tensor(e!) score_state2, Tensor(f!) entry_cache2, int quant2, Tensor inv_freq, "
+    "Tensor req_slot, Tensor positions, Tensor start_pos, Tensor end_pos, Tensor block_table, int ratio, "
+    "bool overlap, float eps, ScalarType dtype) -> ()",
+)
 
 
 def _check_args(kv, score, ape, norm_weight, inv_freq, kv_state, score_state, entry_cache, block_table, ratio,
-                overlap, quant, dtype) -> None:
-    """Shapes and dtypes of a call, with errors that name the argument (the fake and the reference both run it;
-    the CUDA binding checks the same)."""
+                overlap, quant, dtype, op: str = "compressor_update") -> None:
+    """Shapes and dtypes of a call, with errors that name the op and the argument (the fake and the reference both
+    run it; the CUDA binding checks the same)."""
     c = 2 if overlap else 1
     d = norm_weight.shape[0]
 
     def check(ok, msg):
-        torch._check(ok, lambda: f"compressor_update: {msg}")
+        torch._check(ok, lambda: f"{op}: {msg}")
 
     check(kv.dim() == 2 and kv.shape == score.shape and kv.shape[1] == c * d,
           f"kv and score must be [T, {c * d}] (c*d), got {tuple(kv.shape)} and {tuple(score.shape)}")
@@ -179,6 +190,40 @@ def compressor_update_ref(kv: Tensor, score: Tensor, ape: Tensor, norm_weight: T
 torch.library.impl("dsv4rt::compressor_update", "CompositeExplicitAutograd", compressor_update_ref)
 
 
+def _pair_calls(kv, score, ape, norm_weight, kv_state, score_state, entry_cache, quant, kv2, score2, ape2,
+                norm_weight2, kv_state2, score_state2, entry_cache2, quant2, inv_freq, req_slot, positions, start_pos,
+                end_pos, block_table, ratio, overlap, eps, dtype):
+    """The pair's two compressor_update argument lists."""
+    meta = (req_slot, positions, start_pos, end_pos, block_table, ratio, overlap)
+    return ((kv, score, ape, norm_weight, inv_freq, kv_state, score_state, entry_cache, *meta, quant, eps, dtype),
+            (kv2, score2, ape2, norm_weight2, inv_freq, kv_state2, score_state2, entry_cache2, *meta, quant2, eps,
+             dtype))
+
+
+def _check_pair(first, second) -> None:
+    for a in (first, second):
+        _check_args(*a[:8], a[12], a[13], a[14], a[15], a[17], op="compressor_update_pair")
+    torch._check(first[0].shape[0] == second[0].shape[0],
+                 lambda: f"compressor_update_pair: the two compressors must take the same tokens, got "
+                         f"{first[0].shape[0]} and {second[0].shape[0]} rows")
+
+
+@torch.library.register_fake("dsv4rt::compressor_update_pair")
+def _compressor_update_pair_fake(*args) -> None:
+    _check_pair(*_pair_calls(*args))
+
+
+def compressor_update_pair_ref(*args) -> None:
+    """compressor_update on each of the two compressors (they share no mutated tensor, so the order is free)."""
+    first, second = _pair_calls(*args)
+    _check_pair(first, second)
+    compressor_update_ref(*first)
+    compressor_update_ref(*second)
+
+
+torch.library.impl("dsv4rt::compressor_update_pair", "CompositeExplicitAutograd", compressor_update_pair_ref)
+
+
 def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, norm_weight: Tensor, inv_freq: Tensor, kv_state: Tensor,
                       score_state: Tensor, entry_cache: Tensor, req_slot: Tensor, positions: Tensor,
                       start_pos: Tensor, end_pos: Tensor, block_table: Tensor, ratio: int, overlap: bool, quant: int,
@@ -194,3 +239,19 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, norm_weight: Tenso
     torch.ops.dsv4rt.compressor_update.default(kv, score, ape, norm_weight, inv_freq, kv_state, score_state,
                                                entry_cache, req_slot, positions, start_pos, end_pos, block_table,
                                                ratio, overlap, quant, eps, dtype)
+
+
+def compressor_update_pair(kv: Tensor, score: Tensor, ape: Tensor, norm_weight: Tensor, kv_state: Tensor,
+                           score_state: Tensor, entry_cache: Tensor, quant: int, kv2: Tensor, score2: Tensor,
+                           ape2: Tensor, norm_weight2: Tensor, kv_state2: Tensor, score_state2: Tensor,
+                           entry_cache2: Tensor, quant2: int, inv_freq: Tensor, req_slot: Tensor, positions: Tensor,
+                           start_pos: Tensor, end_pos: Tensor, block_table: Tensor, ratio: int, overlap: bool,
+                           eps: float, dtype: torch.dtype) -> None:
+    """compressor_update for the two compressors of a CSA layer (main, then indexer) on the same tokens: per
+    compressor its rows, parameters, state, entry cache and quant, then what they share (inv_freq, the step
+    metadata, ratio, overlap, eps, dtype). The CUDA kernel runs both in one launch at decode (a token a CTA, bf16,
+    FP8 + FP4 or unquantised entries) and as two launches otherwise. Mutates both states and entry caches."""
+    torch.ops.dsv4rt.compressor_update_pair.default(kv, score, ape, norm_weight, kv_state, score_state, entry_cache,
+                                                    quant, kv2, score2, ape2, norm_weight2, kv_state2, score_state2,
+                                                    entry_cache2, quant2, inv_freq, req_slot, positions, start_pos,
+                                                    end_pos, block_table, ratio, overlap, eps, dtype)

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from dsv4rt.ops.compressor import compressor_update, compressor_update_ref
+from dsv4rt.ops.compressor import compressor_update, compressor_update_pair, compressor_update_ref
 from dsv4rt.ops.kv_quant import (QUANT_FP4, QUANT_FP4_SIM, QUANT_FP8, QUANT_FP8_SIM, QUANT_NONE, hadamard,
                                  idx_fp4_dequantize, idx_fp4_fake_quant, idx_fp4_quantize, kv_fp8_dequantize,
                                  kv_fp8_fake_quant, kv_fp8_quantize)
@@ -183,6 +183,65 @@ def test_trace(device, kind, quant):
     torch._dynamo.reset()
     torch.compile(compressor_update, fullgraph=True, backend="aot_eager")(*args)
     assert_written_equal((args[5], args[6], args[7]), expected)
+
+
+# ------------------------------------------------------------------------------------------ the CSA pair
+def pair_inputs(device, case: str, quants: tuple[int, int], dtype: torch.dtype = torch.bfloat16):
+    """(compressor_update_pair's 26 args, the two compressor_update argument lists they stand for): the CSA main
+    and indexer compressors on one step; the indexer's call takes the main call's metadata and block table."""
+    main = compressor_update_inputs(device, case, "csa", quants[0], dtype, seed=1)
+    idx = list(compressor_update_inputs(device, case, "indexer", quants[1], dtype, seed=2))
+    assert idx[7].shape[:2] == main[7].shape[:2]  # the same block pool (same windows, same ratio)
+    idx[8:13] = main[8:13]  # req_slot, positions, start_pos, end_pos, block_table
+    per = lambda a: (a[0], a[1], a[2], a[3], a[5], a[6], a[7], a[15])  # noqa: E731
+    args = (*per(main), *per(idx), main[4], *main[8:13], main[13], main[14], main[16], main[17])
+    return args, main, tuple(idx)
+
+
+PAIR_QUANTS = [(QUANT_NONE, QUANT_NONE), (QUANT_FP8, QUANT_FP4), (QUANT_FP8_SIM, QUANT_FP4_SIM)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("quants", PAIR_QUANTS)
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_pair_equals_two_calls(device, case, quants, dtype):
+    """compressor_update_pair writes exactly what compressor_update on each compressor writes (on CUDA: the pair
+    kernel of decode steps against the single-call kernels; prefill steps and other formats take two launches)."""
+    args, main, idx = pair_inputs(device, case, quants, dtype)
+    expected = [ref_result(compressor_update, *a) for a in (main, idx)]
+    compressor_update_pair(*args)
+    assert_written_equal((args[4], args[5], args[6]), expected[0])
+    assert_written_equal((args[12], args[13], args[14]), expected[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pair_opcheck(device):
+    args, _, _ = pair_inputs(device, "mixed", (QUANT_FP8, QUANT_FP4))
+    torch.library.opcheck(torch.ops.dsv4rt.compressor_update_pair.default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pair_traced_whole(device):
+    args, main, idx = pair_inputs(device, "decode", (QUANT_FP8, QUANT_FP4))
+    expected = [ref_result(compressor_update, *a) for a in (main, idx)]
+    torch._dynamo.reset()
+    torch.compile(compressor_update_pair, fullgraph=True, backend="aot_eager")(*args)
+    assert_written_equal((args[4], args[5], args[6]), expected[0])
+    assert_written_equal((args[12], args[13], args[14]), expected[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pair_rejects_other_token_counts(device):
+    """The two compressors must take the same tokens; the error names the op, and nothing is written."""
+    args, _, _ = pair_inputs(device, "decode", (QUANT_NONE, QUANT_NONE))
+    args = list(args)
+    args[8], args[9] = args[8][:-1], args[9][:-1]  # the indexer's kv, score: one row short
+    before = [t.clone() for t in (args[4], args[5], args[6], args[12], args[13], args[14])]
+    with pytest.raises(RuntimeError, match="compressor_update_pair"):
+        compressor_update_pair(*args)
+    for t, b in zip((args[4], args[5], args[6], args[12], args[13], args[14]), before):
+        assert torch.equal(t.view(torch.uint8), b.view(torch.uint8))
 
 
 def dequantize_entries(rows, quant, width):
