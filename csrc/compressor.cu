@@ -868,28 +868,18 @@ __device__ __forceinline__ void update_body(const CompressorArgs& a, int64_t blo
     ape[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (pipe && x.pools && j < x.n_pool) ape[u] = ld4(a.ape + slot_qm(j, m) * cw + slot_half(a, j) + x.col);
   }
+  // The chunk's metadata (step metadata, launch.cuh: loaded before the wait)
   const int64_t t0 = block / x.K * chunk;
-  Tok one{};  // chunk == 1: the token, in every thread's registers
-  if (chunk == 1 && t0 < a.n_tokens) {  // one token (decode): every thread loads its metadata, before the wait
-    one.t = t0;                          // (step metadata, launch.cuh), no lists, no barriers
-    one.r = a.req_slot[t0];
-    one.p = a.positions[t0];
-    one.s = a.start_pos[t0];
-    one.e = a.end_pos[t0];
-  }
-  pdl_wait();  // the previous grid's writes are visible
-
   int n_close = 0, n_row = 0;
-  if (chunk == 1) {
-    if (t0 >= a.n_tokens) return;
-    if (one.r < 0 || one.r >= a.n_slots) return;  // a PAD token (the reference uses the spare slot)
-    one.open_start = floor_div(one.s, m) * m;
-    const int work = token_work(a, one.p, one.s, one.e);
-    if (work == kWriteRow) {  // its own open row, and nothing else (a return here also keeps the registers in bounds)
-      write_row_one(a, x, one.t, one.r, one.p);
-      return;
+  Tok one{};  // chunk == 1: the token, in every thread's registers
+  if (chunk == 1) {  // one token (decode): every thread loads its metadata, no lists, no barriers
+    if (t0 < a.n_tokens) {
+      one.t = t0;
+      one.r = a.req_slot[t0];
+      one.p = a.positions[t0];
+      one.s = a.start_pos[t0];
+      one.e = a.end_pos[t0];
     }
-    n_close = work == kClose ? 1 : 0;
   } else {
     // --- the chunk's metadata (a token per thread), sorted: closing tokens, row-writing tokens (in order)
     int work = kNone;
@@ -932,6 +922,18 @@ __device__ __forceinline__ void update_body(const CompressorArgs& a, int64_t blo
     if (work == kClose) sh.list[at_close + __popc(close_ballot & below)] = x.tid;
     if (work == kWriteRow) sh.list[chunk + at_row + __popc(row_ballot & below)] = x.tid;
     __syncthreads();
+  }
+  pdl_wait();  // the previous grid's writes are visible
+  if (chunk == 1) {
+    if (t0 >= a.n_tokens) return;
+    if (one.r < 0 || one.r >= a.n_slots) return;  // a PAD token (the reference uses the spare slot)
+    one.open_start = floor_div(one.s, m) * m;
+    const int work = token_work(a, one.p, one.s, one.e);
+    if (work == kWriteRow) {  // its own open row, and nothing else (a return here also keeps the registers in bounds)
+      write_row_one(a, x, one.t, one.r, one.p);
+      return;
+    }
+    n_close = work == kClose ? 1 : 0;
   }
 
   // the first closing tokens' slots in flight before the row copies

@@ -658,8 +658,8 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const IndexerArg
   const int tid = threadIdx.x, nt = kSelectThreads;
   const int64_t tl = blockIdx.x / ctas, t = t0 + tl;
   const int c = static_cast<int>(blockIdx.x % ctas);
-  pdl_wait();  // before any global access: the scoring grid (or whatever ran before) has completed
-  const Tok tok = token_info(a, t, ws.n_cap);
+  const Tok tok = token_info(a, t, ws.n_cap);  // step metadata: before the wait (launch.cuh)
+  pdl_wait();  // before any other global access: the scoring grid (or whatever ran before) has completed
   const uint32_t topk = static_cast<uint32_t>(a.topk);
   int32_t* out_row = a.out + t * a.topk;
   if (tok.nv <= a.topk) {  // all visible entries, in order, then -1
