@@ -33,7 +33,8 @@ __device__ __forceinline__ T* cluster_map(T* p, unsigned rank) {
 // exits, so a grid completes only after the one before it, and so on back. Step metadata (request slots, positions,
 // request bounds, block tables: the prepare step's inputs) may be read before the wait: no dsv4rt kernel writes
 // them, and a grid that does (a torch op, any launch without early triggers) completes before the next grid starts,
-// so it completes before any later grid starts too.
+// so it completes before any later grid starts too. Nothing is written before the wait: a grid that runs on may
+// still read a tensor the caching allocator has freed (stream order) and given to this grid's outputs or scratch.
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

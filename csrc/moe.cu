@@ -612,6 +612,10 @@ __global__ void __launch_bounds__(kGemvThreads, 4) moe_up_mma_kernel(const GemvA
       if (gi < ng) red[warp][gi][lane] = make_float4(acc[gi][0], acc[gi][1], acc[gi][2], acc[gi][3]);
     }
     __syncthreads();
+    // An early CTA writes nothing before its wait: act may sit in memory that a grid still running before it (the
+    // router, say) reads through a tensor the allocator has since freed and handed to this call. Only reads go
+    // before a wait (launch.cuh); the weights' streaming, the costly part, is done by now.
+    if (early) pdl_wait();
 #pragma unroll
     for (int gi = 0; gi < NG; ++gi) {
       if (gi < ng && gi % kGemvWarps == warp) {
