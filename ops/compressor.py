@@ -200,6 +200,13 @@ def _pair_calls(kv, score, ape, norm_weight, kv_state, score_state, entry_cache,
              dtype))
 
 
+def pair_args(first: tuple, second: tuple) -> tuple:
+    """compressor_update_pair's args from two compressor_update argument lists (the inverse of _pair_calls); the
+    shared ones (inv_freq, metadata, block table, ratio, overlap, eps, dtype) are taken from `first`."""
+    per = lambda a: (*a[:4], *a[5:8], a[15])  # noqa: E731  (kv, score, ape, norm_weight, states, entries, quant)
+    return (*per(first), *per(second), first[4], *first[8:15], first[16], first[17])
+
+
 def _check_pair(first, second) -> None:
     for a in (first, second):
         _check_args(*a[:8], a[12], a[13], a[14], a[15], a[17], op="compressor_update_pair")

@@ -26,7 +26,7 @@ import os
 import pytest
 import torch
 
-from dsv4rt.ops.compressor import compressor_update, compressor_update_pair
+from dsv4rt.ops.compressor import compressor_update, compressor_update_pair, pair_args
 from dsv4rt.ops.kv_quant import QUANT_FP4, QUANT_FP8, QUANT_NONE, fp4_row_bytes, fp8_row_bytes
 from dsv4rt.ops.swa import swa_cache_write
 from graphtime import capture, median_seconds
@@ -148,17 +148,11 @@ def _report(benchmark, graph, repeats: int, nbytes: int, copy_bw: float, info: d
     benchmark.extra_info.update(device=torch.cuda.get_device_name(), repeats=repeats, us_per_step=per_step * 1e6,
                                 bytes=nbytes, achieved_GBps=bw / 1e9, copy_GBps=copy_bw / 1e9,
                                 fraction_of_copy=bw / copy_bw, **info)
-    cov = {k: v for k, v in dsv4rt.ops.kernel_coverage().items() if k in ("compressor_update", "compressor_update_pair", "swa_cache_write")}
+    ops = ("compressor_update", "compressor_update_pair", "swa_cache_write")
+    cov = {k: v for k, v in dsv4rt.ops.kernel_coverage().items() if k in ops}
     print(f"\n{benchmark.name}: {per_step * 1e6:.2f} us/step, {nbytes / 1e6:.2f} MB, {bw / 1e9:.0f} GB/s "
           f"({bw / copy_bw:.0%} of copy {copy_bw / 1e9:.0f} GB/s) on {torch.cuda.get_device_name()}; {info}; {cov}")
     benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=ROUNDS, warmup_rounds=2)
-
-
-def _pair_args(main: tuple, idx: tuple) -> tuple:
-    """compressor_update_pair's args for the CSA main and indexer calls (the indexer takes main's metadata and block
-    table, as in the model, where both compressors of a layer share them)."""
-    per = lambda a: (a[0], a[1], a[2], a[3], a[5], a[6], a[7], a[15])  # noqa: E731
-    return (*per(main), *per(idx), main[4], *main[8:13], main[13], main[14], main[16], main[17])
 
 
 @pytest.mark.cuda
@@ -176,7 +170,8 @@ def test_bench_compressor_update(benchmark, copy_bandwidth, mode, fmt, monkeypat
     for name, call in zip(COMPRESSORS, calls):  # each alone, for the breakdown
         info[f"{name}_us"] = median_seconds(_capture([call], REPEATS[mode]).replay, ROUNDS) / REPEATS[mode] * 1e6
     # as the model calls them: the CSA layer's two compressors in one op (one launch at decode), then HCA's
-    pair = [(compressor_update_pair, _pair_args(calls[0][1], calls[1][1])), calls[2]]
+    # (the indexer takes the main call's metadata and block table, as in the model)
+    pair = [(compressor_update_pair, pair_args(calls[0][1], calls[1][1])), calls[2]]
     info["three_calls_us"] = median_seconds(_capture(calls, REPEATS[mode]).replay, ROUNDS) / REPEATS[mode] * 1e6
     monkeypatch.setenv("DSV4RT_COMPRESSOR_PAIR", "0")
     info["pair_as_two_launches_us"] = (median_seconds(_capture(pair, REPEATS[mode]).replay, ROUNDS) / REPEATS[mode]

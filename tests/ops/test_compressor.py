@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from dsv4rt.ops.compressor import compressor_update, compressor_update_pair, compressor_update_ref
+from dsv4rt.ops.compressor import compressor_update, compressor_update_pair, compressor_update_ref, pair_args
 from dsv4rt.ops.kv_quant import (QUANT_FP4, QUANT_FP4_SIM, QUANT_FP8, QUANT_FP8_SIM, QUANT_NONE, hadamard,
                                  idx_fp4_dequantize, idx_fp4_fake_quant, idx_fp4_quantize, kv_fp8_dequantize,
                                  kv_fp8_fake_quant, kv_fp8_quantize)
@@ -193,9 +193,7 @@ def pair_inputs(device, case: str, quants: tuple[int, int], dtype: torch.dtype =
     idx = list(compressor_update_inputs(device, case, "indexer", quants[1], dtype, seed=2))
     assert idx[7].shape[:2] == main[7].shape[:2]  # the same block pool (same windows, same ratio)
     idx[8:13] = main[8:13]  # req_slot, positions, start_pos, end_pos, block_table
-    per = lambda a: (a[0], a[1], a[2], a[3], a[5], a[6], a[7], a[15])  # noqa: E731
-    args = (*per(main), *per(idx), main[4], *main[8:13], main[13], main[14], main[16], main[17])
-    return args, main, tuple(idx)
+    return pair_args(main, idx), main, tuple(idx)
 
 
 PAIR_QUANTS = [(QUANT_NONE, QUANT_NONE), (QUANT_FP8, QUANT_FP4), (QUANT_FP8_SIM, QUANT_FP4_SIM)]
