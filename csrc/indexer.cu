@@ -4,7 +4,9 @@
 // One launch sequence per group of tokens (the group keeps the score scratch [G, n_cap] bounded):
 //   1. memset of the group's histograms and counters;
 //   2. score: CTAs split each token's visible entries into tiles; every score is written as an order-preserving
-//      uint32 key to the scratch and counted in a 4096-bin histogram of its top 12 bits. Two implementations:
+//      uint32 key to the scratch and counted in a 4096-bin histogram of its top 12 bits (CTA c of a token adds
+//      into copy c mod 4 of it: scores crowd into a few bins, and one copy had every CTA adding to the same
+//      words; the select sums the copies). Two implementations:
 //        * tensor cores (sm_90a, bf16 q, bf16 or FP4 keys, <= 64 heads, head dim 64 or 128): wgmma with the
 //          tile's 64 entries as M (A in registers, decoded by each lane from raw rows its warp cp.asyncs) and the
 //          token's q as N = 64 heads (B in shared memory); relu, weight and the sum over heads on the fp32
@@ -37,6 +39,8 @@ constexpr int kSimtThreads = 256;
 constexpr int kSelectThreads = 512;
 constexpr int kBins = 4096;           // histograms of 12-bit digits
 constexpr int kDigitBins = 256;       // the last CTA's 8-bit digits
+constexpr int kHistCopies = 4;        // copies of the first histogram (scores crowd into few bins: fewer CTAs
+                                      // adding to one bin; the select sums the copies)
 constexpr uint32_t kCandCap = 8192;   // candidates per token kept in the list
 constexpr int kCtrWords = 8;          // per-token counters:
 constexpr int kDone2 = 0, kEmit = 1, kCand = 2;
@@ -47,7 +51,7 @@ constexpr int64_t kKeyBudget = int64_t(256) << 20;  // bytes of score scratch pe
 struct Ws {
   uint32_t* keys;   // [G, n_cap] order-preserving keys of the scores
   uint2* cand;      // [G, kCandCap] (key, index) of keys in bin b1
-  uint32_t* hist1;  // [G, kBins] top 12 bits
+  uint32_t* hist1;  // [G, kHistCopies, kBins] top 12 bits; scoring CTA c adds into copy c % kHistCopies
   uint32_t* hist2;  // [G, kBins] next 12 bits, keys in bin b1 only
   uint32_t* ctr;    // [G, kCtrWords]
   int64_t n_cap;
@@ -75,6 +79,12 @@ __device__ __forceinline__ int64_t block_of(const IndexerArgs& a, int64_t slot, 
   return b < 0 ? 0 : (b >= a.n_blocks ? a.n_blocks - 1 : b);  // keep reads in the pool whatever the table holds
 }
 
+// block_of for a block-table row already offset to the token's slot
+__device__ __forceinline__ int64_t block_in_pool(const IndexerArgs& a, const int32_t* bt_row, int64_t col) {
+  const int64_t b = __ldg(bt_row + col);
+  return b < 0 ? 0 : (b >= a.n_blocks ? a.n_blocks - 1 : b);
+}
+
 // Programmatic dependent launch (launch.cuh): the select grid is launched with programmatic stream serialization, so
 // it may be scheduled once every scoring CTA has passed pdl_launch_dependents(); it calls pdl_wait() (the scoring
 // grid has completed and its writes are visible) before it touches global memory.
@@ -97,22 +107,38 @@ __device__ __forceinline__ uint32_t block_inclusive_scan(uint32_t v, uint32_t* s
   __syncthreads();
   if (lane == 31) scratch[warp] = v;
   __syncthreads();
-  uint32_t off = 0;
-  for (int i = 0; i < warp; ++i) off += scratch[i];
-  return v + off;
+  if (warp == 0) {  // inclusive scan of the warp totals
+    const int nw = (blockDim.x + 31) >> 5;
+    uint32_t w = lane < nw ? scratch[lane] : 0u;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const uint32_t n = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += n;
+    }
+    if (lane < nw) scratch[lane] = w;
+  }
+  __syncthreads();
+  return v + (warp > 0 ? scratch[warp - 1] : 0u);
 }
 
 // The bin holding the need-th largest element of a histogram (counted from the top bin down), the count of
-// elements in the bins above it and in the bin itself. Needs 1 <= need <= total. scratch: >= 35 words. Every
-// thread must call.
-template <typename Load>
-__device__ void select_bin(Load load, int nbins, uint32_t need, uint32_t* scratch, uint32_t& bin, uint32_t& above,
-                           uint32_t& count) {
+// elements in the bins above it and in the bin itself. Needs 1 <= need <= total. h: shared memory, 16-byte aligned;
+// scratch: >= 35 words. Every thread must call.
+__device__ void select_bin(const uint32_t* h, int nbins, uint32_t need, uint32_t* scratch, uint32_t& bin,
+                           uint32_t& above, uint32_t& count) {
+  auto load = [h](int b) { return h[b]; };
   const int nt = blockDim.x;
   const int per = (nbins + nt - 1) / nt;
   const int hi = nbins - static_cast<int>(threadIdx.x) * per, lo = hi - per > 0 ? hi - per : 0;
   uint32_t sum = 0;
-  for (int b = hi - 1; b >= lo; --b) sum += load(b);
+  if (per % 4 == 0 && hi - lo == per) {  // 16-byte reads (h is 16-byte aligned; lo is a multiple of 4)
+    for (int b = lo; b < hi; b += 4) {
+      const uint4 v = *reinterpret_cast<const uint4*>(h + b);
+      sum += v.x + v.y + v.z + v.w;
+    }
+  } else {
+    for (int b = hi - 1; b >= lo; --b) sum += load(b);
+  }
   const uint32_t incl = block_inclusive_scan(sum, scratch);
   const uint32_t excl = incl - sum;
   if (excl < need && incl >= need) {
@@ -135,30 +161,48 @@ __device__ void select_bin(Load load, int nbins, uint32_t need, uint32_t* scratc
   __syncthreads();
 }
 
-// Copy a global histogram of N bins into shared memory, NT threads, loads in flight together.
-template <int N, int NT>
+// Copy a global histogram of N bins (the sum of its P consecutive copies) into shared memory, NT threads, loads
+// in flight together.
+template <int N, int NT, int P = 1>
 __device__ __forceinline__ void stage_hist(const uint32_t* g, uint32_t* s) {
   static_assert(N % NT == 0, "bins per thread");
-  constexpr int kPer = N / NT, kBatch = kPer < 32 ? kPer : 32;
+  constexpr int kPer = N / NT, kBatch = kPer * P < 32 ? kPer : (32 / P > 0 ? 32 / P : 1);
+  static_assert(kPer % kBatch == 0, "batches");
 #pragma unroll
   for (int i0 = 0; i0 < kPer; i0 += kBatch) {
-    uint32_t v[kBatch];
+    uint32_t v[kBatch][P];
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) v[i] = __ldcg(g + (i0 + i) * NT + threadIdx.x);
+    for (int i = 0; i < kBatch; ++i) {
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) s[(i0 + i) * NT + threadIdx.x] = v[i];
+      for (int p = 0; p < P; ++p) v[i][p] = __ldcg(g + p * N + (i0 + i) * NT + threadIdx.x);
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      uint32_t sum = 0;
+#pragma unroll
+      for (int p = 0; p < P; ++p) sum += v[i][p];
+      s[(i0 + i) * NT + threadIdx.x] = sum;
+    }
   }
 }
 
-// End of a scoring CTA (NT threads): add its histogram to the token's.
+// g[b] += hist[b] for the kBins bins of a shared histogram (16-byte aligned), NT threads; empty bins add nothing.
 template <int NT>
-__device__ __forceinline__ void flush_hist(const Ws& ws, int64_t tl, const uint32_t* hist) {
-  __syncthreads();
-  uint32_t* g = ws.hist1 + tl * kBins;
-  for (int b = threadIdx.x; b < kBins; b += NT) {
-    const uint32_t c = hist[b];
-    if (c) atomicAdd(g + b, c);
+__device__ __forceinline__ void add_hist(uint32_t* g, const uint32_t* hist) {
+  for (int b = 4 * threadIdx.x; b < kBins; b += 4 * NT) {  // 16-byte reads
+    const uint4 c = *reinterpret_cast<const uint4*>(hist + b);
+    if (c.x) atomicAdd(g + b, c.x);
+    if (c.y) atomicAdd(g + b + 1, c.y);
+    if (c.z) atomicAdd(g + b + 2, c.z);
+    if (c.w) atomicAdd(g + b + 3, c.w);
   }
+}
+
+// End of scoring CTA c of a token (NT threads): add its histogram to the token's copy c % kHistCopies.
+template <int NT>
+__device__ __forceinline__ void flush_hist(const Ws& ws, int64_t tl, int c, const uint32_t* hist) {
+  __syncthreads();
+  add_hist<NT>(ws.hist1 + (tl * kHistCopies + c % kHistCopies) * kBins, hist);
 }
 
 // ------------------------------------------------------------------------------------------ tensor-core scoring
@@ -277,24 +321,47 @@ struct WgWarp {
   uint32_t frag[C::kKSteps][4];         // A fragments, wgmma operand order
 
   // cp.async this warp's 16 rows of tile entries [j0, j0 + 64) into `seg` (FP4 rows raw; bf16 rows with their
-  // 16-byte chunks swizzled by row). Rows past the visible count are skipped.
-  static __device__ __forceinline__ void copy(const IndexerArgs& a, const Tok& tok, int64_t j0, int warp, int lane,
-                                              uint8_t* seg, int log2e) {
+  // 16-byte chunks swizzled by row). Rows past the visible count are skipped (or, within a block's run, copied and
+  // ignored). bt_row: the token's block-table row.
+  static __device__ __forceinline__ void copy(const IndexerArgs& a, const int32_t* bt_row, int64_t nv, int64_t j0,
+                                              int warp, int lane, uint8_t* seg, int log2e) {
     const uint8_t* cache = static_cast<const uint8_t*>(a.idx_cache);
-    const int per_block = 1 << log2e, run = per_block < 16 ? per_block : 16;
     const int64_t r0 = j0 + 16 * warp;
-    for (int r = 0; r < 16; r += run) {
+    if (log2e >= 4) {  // the warp's 16 rows are consecutive rows of one block: one lookup, one contiguous run
+      if (r0 >= nv) return;
+      const uint32_t row = (static_cast<uint32_t>(block_in_pool(a, bt_row, r0 >> log2e)) << log2e) |
+                           (static_cast<uint32_t>(r0) & ((1u << log2e) - 1u));
+      const uint8_t* src = cache + static_cast<uint64_t>(row) * C::kRow;
+      const uint32_t dst = smem_u32(seg);
+      constexpr int kChunks = C::kRow;  // 16 rows of kRow bytes = kRow 16-byte chunks
+#pragma unroll
+      for (int c0 = 0; c0 < kChunks; c0 += 32) {
+        const int c = c0 + lane;
+        if (c0 + 32 <= kChunks || c < kChunks) {
+          if (FP4) {
+            cp_async16(dst + 16 * c, src + 16 * c);
+          } else {
+            constexpr int kPerRow = C::kRow / 16;
+            const int rr = c / kPerRow, cc = c % kPerRow;
+            cp_async16(dst + rr * C::kRow + 16 * (cc ^ (rr & 7)), src + 16 * c);
+          }
+        }
+      }
+      return;
+    }
+    const int per_block = 1 << log2e;
+    for (int r = 0; r < 16; r += per_block) {
       const int64_t j = r0 + r;
-      if (j >= tok.nv) break;
-      const int64_t blk = block_of(a, tok.slot, j >> log2e);
+      if (j >= nv) break;
+      const int64_t blk = block_in_pool(a, bt_row, j >> log2e);
       const uint8_t* src = cache + ((blk << log2e) + (j & (per_block - 1))) * C::kRow;
       uint8_t* dst = seg + r * C::kRow;
       if (FP4) {
-        const int chunks = run * C::kRow / 16;
+        const int chunks = per_block * C::kRow / 16;
         for (int c = lane; c < chunks; c += 32) cp_async16(smem_u32(dst + 16 * c), src + 16 * c);
       } else {
         constexpr int kPerRow = C::kRow / 16;
-        for (int c = lane; c < run * kPerRow; c += 32) {
+        for (int c = lane; c < per_block * kPerRow; c += 32) {
           const int rr = c / kPerRow, cc = c % kPerRow;
           cp_async16(smem_u32(dst + rr * C::kRow + 16 * (cc ^ ((r + rr) & 7))), src + 16 * c);
         }
@@ -349,11 +416,11 @@ struct WgWarp {
         }
       }
     } else {
+      uint32_t big[2];
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
         const uint32_t s = scale[rr];
-        const bool big = s > 128;
-        const uint32_t m1 = big ? (253u << 7) : ((s + 126u) << 7);
+        const uint32_t m1 = s > 128 ? (253u << 7) : ((s + 126u) << 7);
         const uint32_t m1x2 = m1 | (m1 << 16);
 #pragma unroll
         for (int i = 0; i < kRaw; ++i) {
@@ -363,26 +430,31 @@ struct WgWarp {
             at(rr, 4 * i + k) = bf16x2_mul((q & 0x80008000u) | ((q >> 6) & 0x01C001C0u), m1x2);
           }
         }
-        if (big) {  // rare: keys of magnitude above 24
-          const uint32_t m2x2 = (s << 7) | (s << 23);
+        big[rr] = s > 128 ? (s << 7) | (s << 23) : 0x3F803F80u;  // the second factor (1.0 if none)
+      }
+      if (__any_sync(0xffffffffu, scale[0] > 128 || scale[1] > 128)) {  // rare: keys of magnitude above 24
 #pragma unroll
-          for (int m = 0; m < C::kRegs; ++m) at(rr, m) = bf16x2_mul(at(rr, m), m2x2);
+        for (int rr = 0; rr < 2; ++rr) {
+#pragma unroll
+          for (int m = 0; m < C::kRegs; ++m) at(rr, m) = bf16x2_mul(at(rr, m), big[rr]);
         }
       }
     }
   }
 
-  __device__ __forceinline__ void issue(float (&d)[32], uint32_t qs) {
+  // desc0: smem_desc of q^T; step s adds its byte offset / 16 to the address field (no carry: q lies in shared
+  // memory, below 256 KB)
+  __device__ __forceinline__ void issue(float (&d)[32], uint64_t desc0) {
 #pragma unroll
     for (int s = 0; s < C::kKSteps; ++s) fence_regs(frag[s]);
     wgmma_fence();
 #pragma unroll
     for (int s = 0; s < C::kKSteps; ++s) {
-      const uint32_t addr = qs + (s >> 2) * (kWgHeads * 128) + (s & 3) * 32;  // atom of 64 k, 16 k = 32 bytes
+      const uint64_t desc = desc0 + (((s >> 2) * (kWgHeads * 128) + (s & 3) * 32) >> 4);  // atom of 64 k; 16 k = 32 B
       if (s == 0) {
-        wgmma_m64n64k16_first(d, frag[s][0], frag[s][1], frag[s][2], frag[s][3], smem_desc(addr));
+        wgmma_m64n64k16_first(d, frag[s][0], frag[s][1], frag[s][2], frag[s][3], desc);
       } else {
-        wgmma_m64n64k16(d, frag[s][0], frag[s][1], frag[s][2], frag[s][3], smem_desc(addr), 1);
+        wgmma_m64n64k16(d, frag[s][0], frag[s][1], frag[s][2], frag[s][3], desc, 1);
       }
     }
     wgmma_commit();
@@ -481,14 +553,15 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
   fence_proxy_async();
   __syncthreads();
 
+  const int32_t* bt_row = a.block_table + tok.slot * a.bt_stride;
   uint8_t* my_ring = ring + warp * C::kSeg;
   auto seg = [&](int i) { return my_ring + (i % C::kStages) * 4 * C::kSeg; };
 #pragma unroll
   for (int i = 0; i < C::kStages - 1; ++i) {
-    if (i < n) W::copy(a, tok, (tb + i) * kWgTile, warp, lane, seg(i), log2e);
+    if (i < n) W::copy(a, bt_row, tok.nv, (tb + i) * kWgTile, warp, lane, seg(i), log2e);
     cp_async_commit();
   }
-  const uint32_t qs = smem_u32(qsm);
+  const uint64_t desc0 = smem_desc(smem_u32(qsm));
   uint32_t* keys = ws.keys + tl * ws.n_cap;
   W w;
   float d[32];
@@ -501,7 +574,7 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
     __syncwarp();
     w.fetch(seg(i), g, t4);
     __syncwarp();  // every lane has read the stage before it is refilled
-    if (i + C::kStages - 1 < n) W::copy(a, tok, (tb + i + C::kStages - 1) * kWgTile, warp, lane,
+    if (i + C::kStages - 1 < n) W::copy(a, bt_row, tok.nv, (tb + i + C::kStages - 1) * kWgTile, warp, lane,
                                         seg(i + C::kStages - 1), log2e);
     cp_async_commit();
     wgmma_wait0();
@@ -509,7 +582,7 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
     w.retire();
     if (i > 0) wg_epilogue(d, wv, keys, tok, (tb + i - 1) * kWgTile, hist);
     w.decode(seg(i), g, t4);  // bf16: reads stage i, which is refilled only at step i + 1 (after its __syncwarp)
-    w.issue(d, qs);
+    w.issue(d, desc0);
   }
   wgmma_wait0();
   fence_regs(d);
@@ -517,7 +590,7 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
   if (n > 0) wg_epilogue(d, wv, keys, tok, (tb + n - 1) * kWgTile, hist);
   cp_async_wait<0>();
   pdl_launch_dependents();  // the select grid may be scheduled (it waits for this grid's completion)
-  flush_hist<128>(ws, tl, hist);
+  flush_hist<128>(ws, tl, c, hist);
 #endif
 }
 
@@ -541,7 +614,7 @@ __device__ __forceinline__ float load_value(const void* p, int64_t i, int dtype)
 __host__ __device__ inline size_t simt_smem_bytes(int n_heads, int head_dim) {
   return sizeof(float) * (static_cast<size_t>(n_heads) * head_dim + n_heads + kSimtTile * (head_dim + 1) +
                           8 * kSimtTile) +
-         sizeof(uint32_t) * (kBins + kScratchWords);
+         sizeof(uint32_t) * (kBins + kScratchWords + 4);  // + 4: the histogram's alignment
 }
 
 __global__ void __launch_bounds__(kSimtThreads) score_simt_kernel(const IndexerArgs a, const Ws ws, const int64_t t0,
@@ -553,6 +626,7 @@ __global__ void __launch_bounds__(kSimtThreads) score_simt_kernel(const IndexerA
   float* k_s = w_s + nh;               // [kSimtTile, di + 1]
   float* part = k_s + kSimtTile * ld;  // [8, kSimtTile]
   uint32_t* hist = reinterpret_cast<uint32_t*>(part + 8 * kSimtTile);
+  hist += (4 - (smem_u32(hist) >> 2) % 4) % 4;  // 16-byte aligned (add_hist)
 
   const int64_t tl = blockIdx.x / ctas, t = t0 + tl;
   const int c = static_cast<int>(blockIdx.x % ctas);
@@ -605,7 +679,7 @@ __global__ void __launch_bounds__(kSimtThreads) score_simt_kernel(const IndexerA
     }
   }
   pdl_launch_dependents();
-  flush_hist<kSimtThreads>(ws, tl, hist);
+  flush_hist<kSimtThreads>(ws, tl, c, hist);
 }
 
 // ------------------------------------------------------------------------------------------ selection
@@ -672,10 +746,10 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const IndexerArg
   uint2* cand = ws.cand + tl * kCandCap;
 
   // b1: the bin of the k-th largest key (every CTA of the token finds the same)
-  stage_hist<kBins, kSelectThreads>(ws.hist1 + tl * kBins, hist);
+  stage_hist<kBins, kSelectThreads, kHistCopies>(ws.hist1 + tl * kHistCopies * kBins, hist);
   __syncthreads();
   uint32_t b1, above1, count;
-  select_bin([&](int b) { return hist[b]; }, kBins, topk, scratch, b1, above1, count);
+  select_bin(hist, kBins, topk, scratch, b1, above1, count);
   for (int b = tid; b < kBins; b += nt) hist[b] = 0;  // now the histogram of the next 12 bits in bin b1
   __syncthreads();
 
@@ -708,13 +782,12 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const IndexerArg
   }
   __syncthreads();
   uint32_t* g2 = ws.hist2 + tl * kBins;
-  for (int b = tid; b < kBins; b += nt) {
-    const uint32_t cnt = hist[b];
-    if (cnt) atomicAdd(g2 + b, cnt);
+  add_hist<kSelectThreads>(g2, hist);
+  __syncthreads();  // every thread's additions precede thread 0's fence and ticket (the grid-barrier pattern)
+  if (tid == 0) {
+    __threadfence();
+    scratch[40] = atomicAdd(ctr + kDone2, 1u) == static_cast<uint32_t>(ctas - 1) ? 1u : 0u;
   }
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) scratch[40] = atomicAdd(ctr + kDone2, 1u) == static_cast<uint32_t>(ctas - 1) ? 1u : 0u;
   __syncthreads();
   if (!scratch[40]) return;
   __threadfence();
@@ -775,7 +848,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const IndexerArg
   uint32_t v[7];
   v[0] = b1;
   uint32_t need = topk - above1, bin, above;
-  select_bin([&](int b) { return hist[b]; }, kBins, need, scratch, bin, above, count);
+  select_bin(hist, kBins, need, scratch, bin, above, count);
   v[1] = bin;
   need -= above;
   bool all = count == need;
@@ -798,7 +871,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const IndexerArg
     });
     __syncthreads();
     if (all || level == 6) break;
-    select_bin([&](int b) { return dh[b]; }, kDigitBins, need, scratch, bin, above, count);
+    select_bin(dh, kDigitBins, need, scratch, bin, above, count);
     v[level + 1] = bin;
     need -= above;
     all = count == need;
@@ -870,7 +943,7 @@ WsLayout ws_layout(const IndexerArgs& a) {
   l.keys = 0;
   l.cand = align256(sizeof(uint32_t) * g * n_cap);
   l.zero = l.cand + align256(sizeof(uint2) * g * kCandCap);
-  l.zero_bytes = sizeof(uint32_t) * g * (2 * kBins + kCtrWords);
+  l.zero_bytes = sizeof(uint32_t) * g * ((kHistCopies + 1) * kBins + kCtrWords);
   l.total = l.zero + align256(l.zero_bytes);
   return l;
 }
@@ -903,7 +976,8 @@ bool use_tensor_cores(const IndexerArgs& a) {
   const int64_t run = a.per_block < 16 ? a.per_block : 16;
   return major == 9 && a.q_dtype == 1 && (fp4 || a.format == static_cast<int>(IdxFormat::kBFloat16)) &&
          a.n_heads >= 1 && a.n_heads <= kWgHeads && (a.head_dim == 64 || a.head_dim == 128) &&
-         log2_exact(a.per_block) >= 0 && (run * a.row_bytes) % 16 == 0 && (fp4 || a.row_bytes % 16 == 0) &&
+         log2_exact(a.per_block) >= 0 && a.n_blocks * a.per_block <= (int64_t(1) << 32) &&  // 32-bit row numbers
+         (run * a.row_bytes) % 16 == 0 && (fp4 || a.row_bytes % 16 == 0) &&
          reinterpret_cast<uintptr_t>(a.idx_cache) % 16 == 0 && reinterpret_cast<uintptr_t>(a.q) % 16 == 0;
 }
 
@@ -989,7 +1063,7 @@ cudaError_t indexer_topk_launch(const IndexerArgs& a, cudaStream_t stream) {
   ws.keys = reinterpret_cast<uint32_t*>(w + l.keys);
   ws.cand = reinterpret_cast<uint2*>(w + l.cand);
   ws.hist1 = reinterpret_cast<uint32_t*>(w + l.zero);
-  ws.hist2 = ws.hist1 + g_max * kBins;
+  ws.hist2 = ws.hist1 + g_max * kHistCopies * kBins;
   ws.ctr = ws.hist2 + g_max * kBins;
   ws.n_cap = n_cap;
   for (int64_t t0 = 0; t0 < a.n_tokens; t0 += g_max) {
