@@ -229,6 +229,16 @@ def test_fp4_scale_extremes(scale, path):
     check(run_poisoned(args), args)
 
 
+def test_fp4_mixed_scales(path):
+    # within every warp's rows some block scales are above 2^1 and some below: the second multiply is taken for the
+    # warp and must leave the other rows' values unchanged (their factor is 1)
+    def keys(gen, n, d):
+        x = torch.randn(n, d, generator=gen)
+        return x * (2.0 ** (12 * (torch.arange(n) % 3 == 0).float())).unsqueeze(1)
+    args = make_inputs(_lengths_tokens([700, 3000], 0), "fp4", **FLASH, seed=12, key_fn=keys)
+    check(run_poisoned(args), args)
+
+
 def test_deterministic():
     args = make_inputs(_lengths_tokens([600, 5000, 20000], 1), "fp4", **FLASH, seed=8)
     a, b = run_poisoned(args), run_poisoned(args)
