@@ -74,15 +74,14 @@ __device__ __forceinline__ Tok token_info(const IndexerArgs& a, int64_t t, int64
   return k;
 }
 
-__device__ __forceinline__ int64_t block_of(const IndexerArgs& a, int64_t slot, int64_t col) {
-  const int64_t b = __ldg(a.block_table + slot * a.bt_stride + col);
+// Pool block of column `col` of a block-table row (the token's: block_table + slot * bt_stride).
+__device__ __forceinline__ int64_t block_in_pool(const IndexerArgs& a, const int32_t* bt_row, int64_t col) {
+  const int64_t b = __ldg(bt_row + col);
   return b < 0 ? 0 : (b >= a.n_blocks ? a.n_blocks - 1 : b);  // keep reads in the pool whatever the table holds
 }
 
-// block_of for a block-table row already offset to the token's slot
-__device__ __forceinline__ int64_t block_in_pool(const IndexerArgs& a, const int32_t* bt_row, int64_t col) {
-  const int64_t b = __ldg(bt_row + col);
-  return b < 0 ? 0 : (b >= a.n_blocks ? a.n_blocks - 1 : b);
+__device__ __forceinline__ int64_t block_of(const IndexerArgs& a, int64_t slot, int64_t col) {
+  return block_in_pool(a, a.block_table + slot * a.bt_stride, col);
 }
 
 // Programmatic dependent launch (launch.cuh): the select grid is launched with programmatic stream serialization, so
