@@ -125,7 +125,6 @@ __device__ __forceinline__ uint32_t block_inclusive_scan(uint32_t v, uint32_t* s
 // scratch: >= 35 words. Every thread must call.
 __device__ void select_bin(const uint32_t* h, int nbins, uint32_t need, uint32_t* scratch, uint32_t& bin,
                            uint32_t& above, uint32_t& count) {
-  auto load = [h](int b) { return h[b]; };
   const int nt = blockDim.x;
   const int per = (nbins + nt - 1) / nt;
   const int hi = nbins - static_cast<int>(threadIdx.x) * per, lo = hi - per > 0 ? hi - per : 0;
@@ -136,14 +135,14 @@ __device__ void select_bin(const uint32_t* h, int nbins, uint32_t need, uint32_t
       sum += v.x + v.y + v.z + v.w;
     }
   } else {
-    for (int b = hi - 1; b >= lo; --b) sum += load(b);
+    for (int b = hi - 1; b >= lo; --b) sum += h[b];
   }
   const uint32_t incl = block_inclusive_scan(sum, scratch);
   const uint32_t excl = incl - sum;
   if (excl < need && incl >= need) {
     uint32_t acc = excl;
     for (int b = hi - 1; b >= lo; --b) {
-      const uint32_t c = load(b);
+      const uint32_t c = h[b];
       if (acc + c >= need) {
         scratch[32] = static_cast<uint32_t>(b);
         scratch[33] = acc;
