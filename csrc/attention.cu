@@ -8,13 +8,17 @@
 //                     entry j is row (block_table[r, j / E], j mod E) of the pool.
 // Rows are read straight from the caches in their storage format (FP8 rows dequantised here).
 //
-// Tensor-core path (q bf16, caches bf16 or FP8 rows, D in {128, 512}): one CTA per (token, group of 16 or 64 heads,
-// key split); the heads are the M dimension (MQA: all heads share the keys). Per tile of 64 key slots: the raw rows
-// land in a staging tile by 16-byte cp.async while the previous tile is computed (the gathers' indices are loaded
-// two tiles ahead), then are dequantised into a swizzled fp16 tile, a thread per key and 64-dim atom. Warp (m, h) owns 16 heads and one half of D (for 64 heads:
-// warpgroup h): S = Q K^T over its half, the pair's halves summed through shared memory (both warps then hold the
-// same S), fp32 online softmax in registers, P times V = K for its half of the output columns. 64-head groups of
-// D = 512 use wgmma on sm_90a, the rest mma.sync m16n8k16.
+// Tensor-core path (q bf16, caches bf16 or FP8 rows, D in {128, 512}): one CTA per (token, group of 16 or 64
+// heads, key split); the heads are the M dimension (MQA: all heads share the keys). Gather threads of their own (a
+// warpgroup beside the two math warpgroups of a 64-head CTA, one warp beside the 16-head CTA's two) stage each tile
+// of 64 key slots: a bulk copy (the copy engine) a raw row into the staging slots, tracked by an mbarrier, issued as
+// soon as the math warps have converted the previous tile, so that it runs while they compute. Each row is
+// prefetched into L2 two tiles earlier, and the gathers' indices are loaded three (block ids) and four (list
+// entries) tiles ahead. The math warps dequantise the staged rows into a swizzled fp16 tile, a thread per key and
+// 64-dim atom. Warp (m, h) owns 16 heads and one half of D (for 64 heads: warpgroup h): S = Q K^T over its half, the
+// pair's halves summed through shared memory (both warps then hold the same S), fp32 online softmax in registers,
+// P times V = K for its half of the output columns. 64-head groups of D = 512 use wgmma on sm_90a, the rest
+// mma.sync m16n8k16.
 // Operands are fp16: bf16 and FP8 values convert exactly (in fp16's range, |x| <= 65504, which RMS-normed q and
 // kv rows hold), so S is exact up to fp32 summation order, and P rounds to 11 bits, not bf16's 8.
 // Splits (a function of the shapes only) write partial (max, sum, acc) rows to a workspace; a second kernel combines
@@ -25,7 +29,6 @@
 #include <cstring>
 
 #include "attention.h"
-#include "async_copy.cuh"
 #include "kv_quant.cuh"
 #include "launch.cuh"
 
@@ -109,10 +112,11 @@ __device__ __forceinline__ int load_blk(const SparseAttnArgs& a, const TokenCtx&
 struct Src {
   const uint8_t* ptr;
   int kind;
+  const uint8_t* end;  // the end of the cache (or rows) holding it
 };
 
 __device__ __forceinline__ Src resolve(const SparseAttnArgs& a, const TokenCtx& c, int slot, int j, int blk) {
-  Src s{nullptr, kKindNone};
+  Src s{nullptr, kKindNone, nullptr};
   if (slot < a.window) {
     if (slot >= c.n_swa) return s;
     const int x = c.p - slot;
@@ -121,10 +125,12 @@ __device__ __forceinline__ Src resolve(const SparseAttnArgs& a, const TokenCtx& 
       if (tt < 0) return s;
       s.ptr = static_cast<const uint8_t*>(a.kv) + tt * a.kv_stride * elem_bytes(a.dtype);
       s.kind = a.dtype + 1;
+      s.end = s.ptr + a.dim * elem_bytes(a.dtype);
     } else {
       s.ptr = static_cast<const uint8_t*>(a.swa_cache) +
               (static_cast<int64_t>(c.r) * a.window + x % a.window) * a.swa_row_bytes;
       s.kind = a.swa_fmt + 1;
+      s.end = static_cast<const uint8_t*>(a.swa_cache) + a.n_slots * a.window * a.swa_row_bytes;
     }
     return s;
   }
@@ -135,6 +141,7 @@ __device__ __forceinline__ Src resolve(const SparseAttnArgs& a, const TokenCtx& 
   s.ptr = static_cast<const uint8_t*>(a.entry_cache) +
           (static_cast<int64_t>(blk) * a.per_block + jc % a.per_block) * a.ent_row_bytes;
   s.kind = a.ent_fmt + 1;
+  s.end = static_cast<const uint8_t*>(a.entry_cache) + a.n_blocks * a.per_block * a.ent_row_bytes;
   return s;
 }
 
@@ -159,14 +166,14 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16 bytes to shared memory, of which the first n (<= 16) are read from src and the rest are zero.
-__device__ __forceinline__ void cp_async16n(uint32_t dst, const void* src, int n) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
 
 
 __device__ __forceinline__ void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
@@ -297,7 +304,14 @@ __device__ __forceinline__ void wgmma_rs_m64n256_tb(float (&d)[32][4], const uin
 template <int D, int MT>
 struct MmaCfg {
   static constexpr int kWarps = 2 * MT;          // MT head tiles x 2 halves of D (MT = 4: two warpgroups)
-  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kThreads = 32 * kWarps;    // math threads (warps 0 .. kWarps - 1)
+  // gather warps (warps kWarps ..): a warpgroup of them when the math warps are two warpgroups, whose registers
+  // then move to the math warps (setmaxnreg)
+  static constexpr int kGatherWarps = MT == 4 ? 4 : 1;
+  static constexpr int kCtaThreads = kThreads + 32 * kGatherWarps;
+  // of which the first kIssueThreads issue the copies, kKeysPerThread rows each; the others exit at once
+  static constexpr int kIssueThreads = MT == 4 ? 64 : 32;
+  static constexpr int kKeysPerThread = kNT / kIssueThreads;
   static constexpr int kRows = 16 * MT;          // heads per CTA
   static constexpr int kDh = D / 2;              // output columns (and S partial dims) per warp
   static constexpr int kNTiles = kDh / 8;        // output n8 tiles per warp
@@ -306,13 +320,13 @@ struct MmaCfg {
   // whose slots then start 4 banks apart (conflict-free 16-byte reads)
   static constexpr int kStageRowBytes = kRowBytes + 16;
   static constexpr int kChunks = D / 8;          // 16-byte chunks per fp16 row
-  static constexpr int kTpk = kThreads / kNT;    // loader threads per key
   static constexpr int kQOff = 0;                // Q [D/64][kRows][128 B] fp16, swizzled
   static constexpr int kKOff = kQOff + kRows * kRowBytes;     // K tile [D/64][kNT][128 B] fp16, swizzled
   static constexpr int kStageOff = kKOff + kNT * kRowBytes;   // raw rows of the next tile
   static constexpr int kXsOff = kStageOff + kNT * kStageRowBytes;  // S halves exchanged by warp pairs
   static constexpr int kKindOff = kXsOff + kWarps * 32 * 32 * 4;
-  static constexpr int kSmem = kKindOff + 2 * kNT + 1024;     // + alignment of the base to 1024 bytes
+  static constexpr int kBarOff = kKindOff + 2 * kNT;          // the staging tile's mbarrier (8 bytes)
+  static constexpr int kSmem = kBarOff + 8 + 1024;            // + alignment of the base to 1024 bytes
   static_assert(kThreads % kNT == 0 && D % 64 == 0, "tile shape");
 };
 
@@ -326,30 +340,80 @@ __device__ __forceinline__ uint32_t swz(int row, int c) {
 // Flag in a key's kinds byte: its FP8 row starts 8 bytes into its staging slot (see issue_key).
 constexpr int kShift8 = 0x40;
 
-// This thread's share of one key row: the raw row (bf16 values or the FP8 layout) to its staging slot, in 16-byte
-// copies. FP8 rows (a multiple of 8 bytes, from a 16-byte aligned cache base: cache_fast) are 8-byte aligned: an odd
-// one is copied from 8 bytes before its start (the end of the previous row of the same cache) and lands 8 bytes into
-// its slot (kShift8); an even one's last copy reads only the fp8_bytes of the row that remain.
+// ---- mbarrier and bulk copies (sm_90+): a tile's rows land in the staging slots by the copy engine
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// `bytes` (a multiple of 16) from global src (16-byte aligned) to shared dst (16-byte aligned); completes on bar.
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+}
+
+// The bytes of a key row's copy: from its 16-byte aligned base (an FP8 row, 8-byte aligned in a cache with a
+// 16-byte aligned base (cache_fast), starts 8 bytes after it when odd: kShift8), `whole` of them by the copy engine
+// (a multiple of 16), and a tail of `tail` bytes (< 16, 8-byte words) that only a row at the very end of its cache
+// has (its copy then stops at the end of the row; other rows' copies read up to 15 bytes of the next row).
+struct RowCopy {
+  const uint8_t* base;
+  int whole, tail, shift;
+};
+
+template <int D>
+__device__ __forceinline__ RowCopy row_copy(const Src& src, int fp8_bytes) {
+  if (src.kind == kKindBf16) return RowCopy{src.ptr, 2 * D, 0, 0};
+  const int shift = static_cast<int>(reinterpret_cast<uintptr_t>(src.ptr) & 8);
+  const uint8_t* base = src.ptr - shift;
+  const int bytes = fp8_bytes + shift, up = (bytes + 15) & ~15;
+  if (base + up <= src.end) return RowCopy{base, up, 0, shift};
+  return RowCopy{base, bytes & ~15, bytes - (bytes & ~15), shift};
+}
+
+// The rows of a later tile into L2 (the copy that stages them then reads L2, not DRAM).
+template <int D>
+__device__ __forceinline__ void prefetch_key(const Src& src, int fp8_bytes) {
+  if (src.kind != kKindBf16 && src.kind != kKindFp8) return;
+  const RowCopy rc = row_copy<D>(src, fp8_bytes);
+  bulk_prefetch_l2(rc.base, rc.whole);
+}
+
+// One key row, raw (bf16 values or the FP8 layout), to its staging slot, by one thread: a bulk copy tracked by the
+// tile's mbarrier (the thread's expected bytes are added first), and the kinds byte. An FP8 row lands 8 bytes into
+// its slot when odd (kShift8); a tail (row_copy) is loaded here and stored before the thread arrives.
 template <int D, int MT>
-__device__ __forceinline__ void issue_key(const Src& src, uint32_t stage, uint8_t* kinds, int key, int sub,
-                                          int fp8_bytes) {
+__device__ __forceinline__ void issue_key(const Src& src, uint32_t stage, uint8_t* stage_ptr, uint8_t* kinds, int key,
+                                          int fp8_bytes, uint32_t bar) {
   using C = MmaCfg<D, MT>;
-  const uint32_t row = stage + key * C::kStageRowBytes;
-  if (src.kind == kKindBf16) {
-    if (sub == 0) kinds[key] = static_cast<uint8_t>(src.kind);
-    for (int c = sub; c < C::kChunks; c += C::kTpk) cp_async16n(row + c * 16, src.ptr + c * 16, 16);
-  } else if (src.kind == kKindFp8) {
-    const int shift = static_cast<int>(reinterpret_cast<uintptr_t>(src.ptr) & 8);
-    if (sub == 0) kinds[key] = static_cast<uint8_t>(src.kind | (shift ? kShift8 : 0));
-    const uint8_t* base = src.ptr - shift;
-    const int bytes = fp8_bytes + shift;
-    for (int c = sub; c * 16 < bytes; c += C::kTpk) {
-      const int rem = bytes - c * 16;
-      cp_async16n(row + c * 16, base + c * 16, rem < 16 ? rem : 16);
-    }
-  } else if (sub == 0) {
+  if (src.kind != kKindBf16 && src.kind != kKindFp8) {
     kinds[key] = static_cast<uint8_t>(src.kind);
+    return;
   }
+  const RowCopy rc = row_copy<D>(src, fp8_bytes);
+  kinds[key] = static_cast<uint8_t>(src.kind | (rc.shift ? kShift8 : 0));
+  mbar_expect_tx(bar, rc.whole);
+  bulk_copy(stage + key * C::kStageRowBytes, rc.base, rc.whole, bar);
+  uint8_t* tail = stage_ptr + key * C::kStageRowBytes + rc.whole;
+  for (int o = 0; o < rc.tail; o += 8)
+    *reinterpret_cast<uint2*>(tail + o) = __ldg(reinterpret_cast<const uint2*>(rc.base + rc.whole + o));
 }
 
 // Staging tile (raw rows) -> swizzled fp16 K tile; absent keys become zero rows. A thread takes one key and every
@@ -555,8 +619,32 @@ __device__ __forceinline__ void compute_tile_wg(uint32_t q_s, uint32_t k_s, cons
     for (int e = 0; e < 4; ++e) fence_reg(acc[n][e]);
 }
 
+// Named barriers of the tensor-core kernel (1 .. 4: the softmax's warp pairs, see compute_tile): the math warps
+// arrive at kBarFree when they have converted a tile (the staging slots are free again) and the gather threads wait
+// there; kBarMath orders the math warps alone. A staged tile is signalled by the staging mbarrier.
+constexpr int kBarFree = 6, kBarMath = 7;
+// Registers a thread of the 64-head kernels (384 threads): two math warpgroups take most of the register file
+// (2 x 128 x 224 + 128 x 56 <= 65536).
+constexpr int kMathRegs = 224, kGatherRegs = 56;
+
+// setmaxnreg (sm_90a, sm_100a): a warpgroup's register count per thread, raised or lowered; elsewhere a no-op (the
+// kernel then keeps the count its launch bounds give).
+template <int N>
+__device__ __forceinline__ void reg_alloc() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(__CUDA_ARCH_FEAT_SM100_ALL)
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void reg_dealloc() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(__CUDA_ARCH_FEAT_SM100_ALL)
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+
 template <int D, int MT, bool WG>
-__global__ void __launch_bounds__(64 * MT, 1) sparse_attn_mma_kernel(const SparseAttnArgs a, int max_tiles) {
+__global__ void __launch_bounds__(MmaCfg<D, MT>::kCtaThreads, 1)
+    sparse_attn_mma_kernel(const SparseAttnArgs a, int max_tiles) {
   using C = MmaCfg<D, MT>;
   static_assert(!WG || (D == 512 && MT == 4), "the wgmma path is for 64 heads of D = 512");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -571,14 +659,83 @@ __global__ void __launch_bounds__(64 * MT, 1) sparse_attn_mma_kernel(const Spars
   const int tb = split * tps;
   const int n_tiles = (ctx.end_slot + kNT - 1) / kNT;
   const int te = tb + tps < n_tiles ? tb + tps : n_tiles;
-  const int key = tid / C::kTpk, sub = tid % C::kTpk;
   const int nope = D - a.rope_dim, exp_off = nope + 2 * a.rope_dim;
-  const int fp8_bytes = exp_off + nope / kFp8Block;  // an FP8 row: values, rope, scales
   uint8_t* kinds = smem + C::kKindOff;
+
+  const uint32_t staged_bar = smem_u32(smem + C::kBarOff);
+  if (tid == 0) {
+    mbar_init(staged_bar, C::kIssueThreads);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp >= C::kWarps) {
+    // The gather threads: tile after tile, one bulk copy a row into the staging slots, as soon as the math warps
+    // have converted the previous tile; the tile's mbarrier completes when every row has landed. Thread g copies
+    // keys g, g + kIssueThreads, ..; the other threads of the gather warpgroup have nothing to do.
+    if constexpr (MT == 4) reg_dealloc<kGatherRegs>();
+    const int g = tid - C::kThreads;
+    if (g >= C::kIssueThreads) return;
+    constexpr int kK = C::kKeysPerThread;
+    const int fp8_bytes = exp_off + nope / kFp8Block;  // an FP8 row: values, rope, scales
+    const uint32_t stage = smem_u32(smem + C::kStageOff);
+    // Per key, a pipeline over the coming tiles: this tile's row is copied, the row two tiles ahead resolved and
+    // prefetched into L2 (the copy then reads L2), the block id three tiles ahead and the list entry four tiles
+    // ahead loaded. Each dependent load has a tile's time to arrive; the copies of a tile go out (and the thread
+    // arrives) before the waits for the others.
+    int n[5];
+    n[0] = next_tile(a, ctx, tb, te);
+#pragma unroll
+    for (int i = 1; i < 5; ++i) n[i] = next_tile(a, ctx, n[i - 1] + 1, te);
+    Src s0[kK], s1[kK];
+    int j3[kK], b2[kK], j2[kK];
+#pragma unroll
+    for (int h = 0; h < kK; ++h) {
+      const int key = g + h * C::kIssueThreads;
+      int j[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) j[i] = load_j(a, ctx, n[i] * kNT + key, n[i] < te);
+      int b[3];
+#pragma unroll
+      for (int i = 0; i < 3; ++i) b[i] = load_blk(a, ctx, n[i] * kNT + key, j[i]);
+      s0[h] = resolve(a, ctx, n[0] * kNT + key, j[0], b[0]);
+      s1[h] = n[1] < te ? resolve(a, ctx, n[1] * kNT + key, j[1], b[1]) : Src{nullptr, kKindNone, nullptr};
+      prefetch_key<D>(s1[h], fp8_bytes);
+      j2[h] = j[2];
+      b2[h] = b[2];
+      j3[h] = j[3];
+    }
+    for (int it = 0; n[0] < te; ++it) {
+      if (it > 0) bar_sync(kBarFree, C::kThreads + C::kIssueThreads);
+#pragma unroll
+      for (int h = 0; h < kK; ++h)
+        issue_key<D, MT>(s0[h], stage, smem + C::kStageOff, kinds + (it & 1) * kNT, g + h * C::kIssueThreads,
+                         fp8_bytes, staged_bar);
+      mbar_arrive(staged_bar);
+      const int n5 = next_tile(a, ctx, n[4] + 1, te);
+#pragma unroll
+      for (int h = 0; h < kK; ++h) {
+        const int key = g + h * C::kIssueThreads;
+        const Src s2 = n[2] < te ? resolve(a, ctx, n[2] * kNT + key, j2[h], b2[h]) : Src{nullptr, kKindNone, nullptr};
+        prefetch_key<D>(s2, fp8_bytes);
+        const int b3 = load_blk(a, ctx, n[3] * kNT + key, j3[h]);
+        const int j4 = load_j(a, ctx, n[4] * kNT + key, n[4] < te);
+        s0[h] = s1[h];
+        s1[h] = s2;
+        j2[h] = j3[h];
+        b2[h] = b3;
+        j3[h] = j4;
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) n[i] = n[i + 1];
+      n[4] = n5;
+    }
+    return;
+  }
+  if constexpr (MT == 4) reg_alloc<kMathRegs>();
+
   float* xs = reinterpret_cast<float*>(smem + C::kXsOff);
   const uint32_t q_s = smem_u32(smem + C::kQOff), k_s = smem_u32(smem + C::kKOff);
-  const uint32_t stage = smem_u32(smem + C::kStageOff);
-
   float acc[C::kNTiles][4];
 #pragma unroll
   for (int n = 0; n < C::kNTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
@@ -587,13 +744,7 @@ __global__ void __launch_bounds__(64 * MT, 1) sparse_attn_mma_kernel(const Spars
 
   int cur = next_tile(a, ctx, tb, te);
   if (cur < te) {
-    {
-      const int slot = cur * kNT + key;
-      const int j = load_j(a, ctx, slot, true);
-      issue_key<D, MT>(resolve(a, ctx, slot, j, load_blk(a, ctx, slot, j)), stage, kinds, key, sub, fp8_bytes);
-      cp_async_commit();
-    }
-    {  // Q rows of the head group as fp16 (rows past H: zeros)
+    {  // Q rows of the head group as fp16 (rows past H: zeros), while the gather warp stages the first tile
       const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(a.q);
       uint8_t* qd = smem + C::kQOff;
       // 16-byte chunks a thread, in rounds of loads issued before their first use: all 16 at once in the wgmma
@@ -619,39 +770,23 @@ __global__ void __launch_bounds__(64 * MT, 1) sparse_attn_mma_kernel(const Spars
         }
       }
     }
-    // gather indices ahead: block ids of the next tile, list entries of the one after
     int n1 = next_tile(a, ctx, cur + 1, te);
-    int j1 = load_j(a, ctx, n1 * kNT + key, n1 < te);
-    int b1 = load_blk(a, ctx, n1 * kNT + key, j1);
-    int n2 = next_tile(a, ctx, n1 + 1, te);
-    int j2 = load_j(a, ctx, n2 * kNT + key, n2 < te);
-    int n3 = next_tile(a, ctx, n2 + 1, te);
     for (int it = 0; cur < te; ++it) {
       const int par = it & 1;
-      cp_async_wait_all();
-      __syncthreads();  // tile `cur` is staged (and Q stored); every warp is done with the previous tile
+      mbar_wait(staged_bar, par);  // tile `cur` is staged
+      // every math warp is done with the previous tile (and has stored its Q rows)
+      bar_sync(kBarMath, C::kThreads);
       convert_tile<D, MT>(smem + C::kStageOff, smem + C::kKOff, kinds + par * kNT, nope, exp_off, tid);
       if (WG) fence_async_smem();  // the tensor cores read Q and K through the async proxy
-      __syncthreads();  // the K tile is complete; the staging tile is free
-      if (n1 < te) {
-        issue_key<D, MT>(resolve(a, ctx, n1 * kNT + key, j1, b1), stage, kinds + (par ^ 1) * kNT, key, sub,
-                         fp8_bytes);
-        cp_async_commit();
-      }
-      const int b2 = load_blk(a, ctx, n2 * kNT + key, j2);
-      const int j3 = load_j(a, ctx, n3 * kNT + key, n3 < te);
+      bar_sync(kBarMath, C::kThreads);  // the K tile is complete
+      if (n1 < te) bar_arrive(kBarFree, C::kThreads + C::kIssueThreads);  // the staging slots are free
       if constexpr (WG) {
         compute_tile_wg(q_s, k_s, kinds + par * kNT, xs, acc, m0, m1, l0, l1, sc2, warp, lane);
       } else {
         compute_tile<D, MT>(q_s, k_s, kinds + par * kNT, xs, acc, m0, m1, l0, l1, sc2, warp, lane);
       }
       cur = n1;
-      n1 = n2;
-      j1 = j2;
-      b1 = b2;
-      n2 = n3;
-      j2 = j3;
-      n3 = next_tile(a, ctx, n3 + 1, te);
+      n1 = next_tile(a, ctx, n1 + 1, te);
     }
   }
 
@@ -672,7 +807,7 @@ __global__ void __launch_bounds__(64 * MT, 1) sparse_attn_mma_kernel(const Spars
       const int h = hg * C::kRows + mt * 16 + g + 8 * r;
       if (h < a.heads) sink[r] = a.sinks[h];
     }
-    __syncthreads();  // every warp is done with the K tile
+    bar_sync(kBarMath, C::kThreads);  // every math warp is done with the K tile
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -707,7 +842,7 @@ __global__ void __launch_bounds__(64 * MT, 1) sparse_attn_mma_kernel(const Spars
     }
   }
   if (n_splits == 1) {
-    __syncthreads();
+    bar_sync(kBarMath, C::kThreads);
     const int rows = a.heads - hg * C::kRows < C::kRows ? a.heads - hg * C::kRows : C::kRows;
     __nv_bfloat16* o = static_cast<__nv_bfloat16*>(a.out) + (t * a.heads + hg * C::kRows) * D;
     for (int idx = tid; idx < rows * (D / 8); idx += C::kThreads) {
@@ -968,7 +1103,7 @@ template <int D, int MT, bool WG>
 int ctas_per_sm() {
   if (set_smem<D, MT, WG>() != cudaSuccess) return 1;
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, sparse_attn_mma_kernel<D, MT, WG>, MmaCfg<D, MT>::kThreads,
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, sparse_attn_mma_kernel<D, MT, WG>, MmaCfg<D, MT>::kCtaThreads,
                                                     MmaCfg<D, MT>::kSmem) != cudaSuccess)
     return 1;
   return n > 0 ? n : 1;
@@ -990,7 +1125,7 @@ cudaError_t launch_mma(const SparseAttnArgs& a, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const int64_t n_hg = (a.heads + C::kRows - 1) / C::kRows;
   const dim3 grid(static_cast<unsigned>(a.n_tokens * n_hg), static_cast<unsigned>(a.n_splits));
-  sparse_attn_mma_kernel<D, MT, WG><<<grid, C::kThreads, C::kSmem, stream>>>(a, max_tiles(a));
+  sparse_attn_mma_kernel<D, MT, WG><<<grid, C::kCtaThreads, C::kSmem, stream>>>(a, max_tiles(a));
   err = cudaGetLastError();
   if (err != cudaSuccess || a.n_splits == 1) return err;
   const dim3 cgrid(static_cast<unsigned>(a.n_tokens * a.heads), static_cast<unsigned>((a.dim + 127) / 128));
