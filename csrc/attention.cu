@@ -365,10 +365,6 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
                : "memory");
 }
 
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-}
-
 // The bytes of a key row's copy: from its 16-byte aligned base (an FP8 row, 8-byte aligned in a cache with a
 // 16-byte aligned base (cache_fast), starts 8 bytes after it when odd: kShift8), `whole` of them by the copy engine
 // (a multiple of 16), and a tail of `tail` bytes (< 16, 8-byte words) that only a row at the very end of its cache
@@ -388,12 +384,16 @@ __device__ __forceinline__ RowCopy row_copy(const Src& src, int fp8_bytes) {
   return RowCopy{base, bytes & ~15, bytes - (bytes & ~15), shift};
 }
 
-// The rows of a later tile into L2 (the copy that stages them then reads L2, not DRAM).
+// The rows of a later tile into L2 (the copy that stages them then reads L2, not DRAM): a prefetch instruction a
+// 128-byte line (the load path; bulk prefetches would queue in the copy engine behind the copies, whose issue rate
+// they then halve).
 template <int D>
 __device__ __forceinline__ void prefetch_key(const Src& src, int fp8_bytes) {
   if (src.kind != kKindBf16 && src.kind != kKindFp8) return;
   const RowCopy rc = row_copy<D>(src, fp8_bytes);
-  bulk_prefetch_l2(rc.base, rc.whole);
+  const uintptr_t b = reinterpret_cast<uintptr_t>(rc.base);
+  for (uintptr_t l = b & ~uintptr_t(127); l < b + rc.whole; l += 128)
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(l));
 }
 
 // One key row, raw (bf16 values or the FP8 layout), to its staging slot, by one thread: a bulk copy tracked by the
