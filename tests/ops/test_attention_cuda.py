@@ -203,6 +203,21 @@ def test_fp8_caches_off_16_byte_alignment(mode):
     check(tuple(args))
 
 
+def test_fp8_row_at_the_end_of_its_cache():
+    # the gather copies an FP8 row from its 16-byte aligned start in whole 16-byte pieces, which for the last row of
+    # a cache can read past its end (a pool of an odd number of rows: HCA at the Flash dims keeps one entry a
+    # block); that row is copied up to its end and its tail loaded by the thread
+    d = FLASH
+    args = list(make_case(d, "hca", [(0, 5 * d.hca_ratio + 3, 1)], True, torch.bfloat16, seed=7, n_pad=0,
+                          pool_blocks=8))
+    entries, table = args[3], args[9].clone()
+    n_rows, row_bytes = entries.shape[0] * entries.shape[1], entries.shape[2]
+    assert n_rows % 2 == 1 and (n_rows - 1) * row_bytes % 16 == 0 and row_bytes % 16 != 0
+    table[0, 2] = entries.shape[0] - 1  # the request's entry 2 is the pool's last row
+    args[9] = table
+    check(tuple(args))
+
+
 def test_no_visible_key_gives_zero():
     # padded tokens only: the sink-only softmax gives 0, as the reference
     args = make_case(FLASH, "csa", [(0, 10, 1)], True, torch.bfloat16, n_pad=3)
