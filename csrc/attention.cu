@@ -623,8 +623,9 @@ __device__ __forceinline__ void compute_tile_wg(uint32_t q_s, uint32_t k_s, cons
 // arrive at kBarFree when they have converted a tile (the staging slots are free again) and the gather threads wait
 // there; kBarMath orders the math warps alone. A staged tile is signalled by the staging mbarrier.
 constexpr int kBarFree = 6, kBarMath = 7;
-// Registers a thread of the 64-head kernels (384 threads): two math warpgroups take most of the register file
-// (2 x 128 x 224 + 128 x 56 <= 65536).
+// Registers a thread of the 64-head kernels (384 threads): two math warpgroups take most of the registers the
+// launch allocates (168 x 384 = 64512 = 2 x 128 x 224 + 128 x 56; setmaxnreg only moves registers within that
+// allocation, and an increase the decreases do not cover waits forever).
 constexpr int kMathRegs = 224, kGatherRegs = 56;
 
 // setmaxnreg (sm_90a, sm_100a): a warpgroup's register count per thread, raised or lowered; elsewhere a no-op (the
