@@ -166,8 +166,6 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-
-
 __device__ __forceinline__ void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -745,7 +743,7 @@ __global__ void __launch_bounds__(MmaCfg<D, MT>::kCtaThreads, 1)
 
   int cur = next_tile(a, ctx, tb, te);
   if (cur < te) {
-    {  // Q rows of the head group as fp16 (rows past H: zeros), while the gather warp stages the first tile
+    {  // Q rows of the head group as fp16 (rows past H: zeros), while the gather threads stage the first tile
       const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(a.q);
       uint8_t* qd = smem + C::kQOff;
       // 16-byte chunks a thread, in rounds of loads issued before their first use: all 16 at once in the wgmma
