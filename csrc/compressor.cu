@@ -975,6 +975,237 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
+// ------------------------------------------------------------------ overlap calls of many tokens: the windows path
+// In a prefill chunk the general kernel's CTAs take their chunk's closing tokens one after another, so a call's time
+// is a chain of dependent memory round trips. The windows path (overlap calls of at least kWindowsMinTokens tokens;
+// DSV4RT_COMPRESSOR_WINDOWS=1 forces it wherever it applies, 0 turns it off) runs two grids instead:
+//   * the windows grid pools every entry of the call at once. A team of d / 4 threads (a quad of channels each)
+//     takes a span of m consecutive tokens and the closing tokens in it in turn (one in a prefill chunk; several
+//     only when the span holds several requests' tokens): all 2m slots of the entry in one load round (the state's
+//     rows for the windows w0 and w0 + 1 that began before the call, this call's rows otherwise), the exact
+//     per-channel softmax, then cast, RMS-norm (the team's sum of squares), RoPE, quantise and store (store_entry,
+//     as the general kernel). It writes entries only, never the state;
+//   * the state grid, launched behind it, waits for it in every CTA (pdl_wait) and writes each request's state
+//     from its last token: with a close, the last closed window's rows to overlap rows [0, m), then, after a
+//     barrier (those reads may be of open rows), the new open rows of [open_end, e); without a close, its rows of
+//     [s, e) to their open rows.
+// Both grids are kWinThreads threads a CTA.
+constexpr int kWinThreads = 128;
+constexpr int kWinSlots = 8;  // slots a load round (2m for the CSA ratio 4: the whole entry)
+constexpr int64_t kWindowsMinTokens = 1024;
+
+// The team's place: one team of QD threads (the whole row, a quad a thread), kWinThreads / QD teams a CTA.
+template <int QD>
+__device__ __forceinline__ Ctx team_ctx(const CompressorArgs& a) {
+  Ctx x{};
+  x.K = 1;
+  x.dk = a.d;
+  x.quads = QD;
+  x.G = 1;
+  x.g_half = 1;
+  x.n_pool = a.c * a.ratio;
+  x.tid = static_cast<int>(threadIdx.x) % QD;
+  x.quad = x.tid;
+  x.col = 4 * x.quad;
+  x.pools = true;
+  x.post = true;
+  x.post_warps = QD / 32;
+  return x;
+}
+
+// All slots of entry w, kWinSlots a load round: the kv and score loads of the round first, then this call's rows get
+// the ape term (rows that every team reads: L1 hits), so that only the loaded values take registers.
+__device__ __forceinline__ void pool_window(const CompressorArgs& a, const Ctx& x, const Tok& tk, int w, Pool& ps) {
+  const int m = a.ratio, wbase = (w - a.c + 1) * m;
+  const int64_t cw = static_cast<int64_t>(a.c) * a.d;
+#pragma unroll 1
+  for (int jb = 0; jb < x.n_pool; jb += kWinSlots) {
+    float4 v[kWinSlots], s[kWinSlots];
+    bool ok[kWinSlots];
+    unsigned fresh = 0u;
+#pragma unroll
+    for (int u = 0; u < kWinSlots; ++u) {
+      const int j = jb + u, q = wbase + j;
+      ok[u] = j < x.n_pool && q >= 0;  // q < 0: window -1 of the first entry, weight 0
+      v[u] = s[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (ok[u]) {
+        const RowRef rr = row_ref(a, tk, q, slot_qm(j, m));
+        const int64_t off = rr.off + slot_half(a, j) + x.col;
+        v[u] = ld4((rr.fresh ? a.kv : a.kv_state) + off);
+        s[u] = ld4((rr.fresh ? a.score : a.score_state) + off);
+        fresh |= rr.fresh ? 1u << u : 0u;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kWinSlots; ++u) {
+      const int j = jb + u;
+      if (fresh & (1u << u)) s[u] = add4(s[u], __ldg(reinterpret_cast<const float4*>(a.ape + slot_qm(j, m) * cw +
+                                                                                   slot_half(a, j) + x.col)));
+    }
+    reduce_batch(v, s, ok, ps);
+  }
+}
+
+// The same for an interior entry (every slot a row of this call: (w - 1) * m >= s) of 2m = kWinSlots slots: the
+// rows are consecutive, so one base address and constant strides, and no slot is absent (the same arithmetic as
+// reduce_batch with every slot present, in fewer instructions).
+__device__ __forceinline__ void pool_interior(const CompressorArgs& a, const Ctx& x, const Tok& tk, int w, Pool& ps) {
+  const int m = a.ratio, d = a.d;
+  const int64_t cw = 2 * static_cast<int64_t>(d);
+  const int64_t base = (tk.t - tk.p + static_cast<int64_t>(w - 1) * m) * cw + x.col;
+  float4 v[kWinSlots], s[kWinSlots];
+#pragma unroll
+  for (int u = 0; u < kWinSlots; ++u) {
+    const int64_t off = base + u * cw + (u >= m ? d : 0);
+    v[u] = ld4(a.kv + off);
+    s[u] = ld4(a.score + off);
+  }
+#pragma unroll
+  for (int u = 0; u < kWinSlots; ++u) {
+    const int qm = u >= m ? u - m : u;
+    s[u] = add4(s[u], __ldg(reinterpret_cast<const float4*>(a.ape + qm * cw + (u >= m ? d : 0) + x.col)));
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float bm = comp(s[0], k);
+#pragma unroll
+    for (int u = 1; u < kWinSlots; ++u) bm = fmaxf(bm, comp(s[u], k));
+    float bz = 0.0f, ba = 0.0f;
+#pragma unroll
+    for (int u = 0; u < kWinSlots; ++u) {
+      const float e = expf(__fsub_rn(comp(s[u], k), bm));
+      bz = __fadd_rn(bz, e);
+      ba = __fmaf_rn(e, comp(v[u], k), ba);
+    }
+    ps.mx[k] = bm;
+    ps.z[k] = bz;
+    ps.acc[k] = ba;
+  }
+}
+
+template <typename OutT, int QUANT, int QD>
+__device__ __forceinline__ void windows_body(const CompressorArgs& a, int64_t block) {
+  static_assert(QD == 32 || QD == kWinThreads, "a team is a warp or the CTA");
+  constexpr int kTeams = kWinThreads / QD;
+  __shared__ float red[2][kWinThreads / 32];  // the team's warp sums of squares (two entries in flight)
+  pdl_launch_dependents();
+  const int m = a.ratio, team = static_cast<int>(threadIdx.x) / QD, lane = threadIdx.x & 31;
+  const Ctx x = team_ctx<QD>(a);
+  const Consts cs = load_consts(a, x);  // weights: complete before any grid of the step
+  const int64_t t0 = (block * kTeams + team) * m;
+  // the span's metadata, lane j < m of every warp holding token t0 + j (step metadata: before the wait)
+  int r = -1, p = 0, s = 0, e = 0;
+  if (lane < m && t0 + lane < a.n_tokens) {
+    r = a.req_slot[t0 + lane];
+    p = a.positions[t0 + lane];
+    s = a.start_pos[t0 + lane];
+    e = a.end_pos[t0 + lane];
+  }
+  unsigned todo = __ballot_sync(0xffffffffu, r >= 0 && r < a.n_slots && mod_pos(p + 1, m) == 0);
+  pdl_wait();  // the previous grid's writes (this call's rows) are visible
+  int round = 0;
+#pragma unroll 1
+  while (todo != 0u) {
+    const int j = __ffs(todo) - 1;
+    todo &= todo - 1u;
+    Tok tk;
+    tk.t = t0 + j;
+    tk.r = __shfl_sync(0xffffffffu, r, j);
+    tk.p = __shfl_sync(0xffffffffu, p, j);
+    tk.s = __shfl_sync(0xffffffffu, s, j);
+    tk.e = __shfl_sync(0xffffffffu, e, j);
+    tk.open_start = floor_div(tk.s, m) * m;
+    const int w = closed_window(a, tk);
+    const Dest dst = entry_dest(a, x, tk, w);
+    const Rot rt = rope_rot(a, x, cs, w);
+    Pool ps;
+    ps.init();
+    if (x.n_pool == kWinSlots && (w - 1) * m >= tk.s) {
+      pool_interior(a, x, tk, w, ps);
+    } else {
+      pool_window(a, x, tk, w, ps);
+    }
+    float val[4];
+    float tot = cast_pooled<OutT>(x, ps, val);  // the warp's sum
+    if constexpr (QD > 32) {  // the team's (the CTA's): its warps' sums in order
+      float* rb = red[round & 1];
+      if (lane == 0) rb[x.tid >> 5] = tot;
+      __syncthreads();
+      tot = 0.0f;
+#pragma unroll
+      for (int i = 0; i < QD / 32; ++i) tot = __fadd_rn(tot, rb[i]);
+    }
+    store_entry<OutT, QUANT>(a, x, nullptr, cs, rt, dst, val, tot);
+    ++round;
+  }
+}
+
+#ifndef DSV4RT_WIN_MIN_BLOCKS
+#define DSV4RT_WIN_MIN_BLOCKS 4
+#endif
+template <typename OutT, int QUANT, int QD>
+__global__ void __launch_bounds__(kWinThreads, DSV4RT_WIN_MIN_BLOCKS) compressor_windows_kernel(const __grid_constant__ CompressorArgs a) {
+  windows_body<OutT, QUANT, QD>(a, blockIdx.x);
+}
+
+// The state grid's CTA `block`: tokens [block, block + 1) * kWinThreads, a token a thread, and the whole CTA on each
+// request's last token in turn.
+__device__ __forceinline__ void state_body(const CompressorArgs& a, int64_t block) {
+  __shared__ int meta[4][kWinThreads];
+  __shared__ unsigned lasts[kWinThreads / 32];
+  pdl_launch_dependents();
+  const int m = a.ratio, tid = threadIdx.x;
+  const int64_t t = block * kWinThreads + tid;
+  int r = -1, p = 0, s = 0, e = 0;
+  if (t < a.n_tokens) {
+    r = a.req_slot[t];
+    p = a.positions[t];
+    s = a.start_pos[t];
+    e = a.end_pos[t];
+  }
+  meta[0][tid] = r;
+  meta[1][tid] = p;
+  meta[2][tid] = s;
+  meta[3][tid] = e;
+  const unsigned b = __ballot_sync(0xffffffffu, r >= 0 && r < a.n_slots && p == e - 1);
+  if ((tid & 31) == 0) lasts[tid >> 5] = b;
+  __syncthreads();
+  pdl_wait();  // every CTA: the windows grid, which reads the state, is complete
+  Ctx x{};
+  x.K = 1;
+  x.dk = a.d;
+  x.quads = a.d / 4;
+  x.tid = tid;
+#pragma unroll 1
+  for (int wi = 0; wi < kWinThreads / 32; ++wi) {
+    unsigned todo = lasts[wi];
+#pragma unroll 1
+    while (todo != 0u) {
+      const int j = 32 * wi + __ffs(todo) - 1;
+      todo &= todo - 1u;
+      Tok tk;
+      tk.t = block * kWinThreads + j;
+      tk.r = meta[0][j];
+      tk.p = meta[1][j];
+      tk.s = meta[2][j];
+      tk.e = meta[3][j];
+      tk.open_start = floor_div(tk.s, m) * m;
+      const int open_end = floor_div(tk.e, m) * m;
+      if (open_end > tk.open_start) {
+        copy_rows(a, x, tk, 0, open_end - m, m);
+        __syncthreads();  // the overlap rows' reads (maybe of open rows) are done
+        if (tk.e > open_end) copy_rows(a, x, tk, m, open_end, tk.e - open_end);
+      } else {
+        copy_rows(a, x, tk, m + (tk.s - tk.open_start), tk.s, tk.e - tk.s);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kWinThreads) compressor_state_kernel(const __grid_constant__ CompressorArgs a) {
+  state_body(a, blockIdx.x);
+}
+
 // ------------------------------------------------------------------ launch configuration (shapes only)
 
 // ------------------------------------------------------------------ no overlap: online softmax state (HCA)
@@ -1488,6 +1719,44 @@ cudaError_t launch_grid(Kernel kernel, const CompressorArgs& a, const Config& cf
                    cfg.smem, stream, static_cast<unsigned>(cfg.cluster), cfg.pdl, a);
 }
 
+// Whether an overlap call takes the windows path (see there): a span's tokens fit a warp (m <= 32) and a team is
+// d / 4 = 32 or 128 threads (FP4 rows: 32, the Hadamard transform within a warp).
+template <int QUANT>
+bool windows_ok(const CompressorArgs& a) {
+  constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
+  const int on = env_int("DSV4RT_COMPRESSOR_WINDOWS", -1);
+  if (on == 0 || a.c != 2 || a.ratio > 32 || (a.d != 128 && a.d != 512) || (kFp4 && a.d != 128)) return false;
+  return on == 1 || a.n_tokens >= kWindowsMinTokens;
+}
+
+// Blocks of the windows grid (a span of m tokens a team) and of the state grid (kWinThreads tokens a CTA).
+inline unsigned windows_blocks(const CompressorArgs& a) {
+  const int64_t spans = (a.n_tokens + a.ratio - 1) / a.ratio, teams = kWinThreads / (a.d / 4);
+  return static_cast<unsigned>((spans + teams - 1) / teams);
+}
+inline unsigned state_blocks(const CompressorArgs& a) {
+  return static_cast<unsigned>((a.n_tokens + kWinThreads - 1) / kWinThreads);
+}
+
+template <typename OutT, int QUANT>
+auto windows_kernel(const CompressorArgs& a) {
+  constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
+  if constexpr (kFp4) {
+    return compressor_windows_kernel<OutT, QUANT, 32>;
+  } else {
+    return a.d == 128 ? compressor_windows_kernel<OutT, QUANT, 32> : compressor_windows_kernel<OutT, QUANT, 128>;
+  }
+}
+
+template <typename OutT, int QUANT>
+cudaError_t launch_windows(const CompressorArgs& a, cudaStream_t stream) {
+  const bool pdl = env_int("DSV4RT_COMPRESSOR_PDL", 1) != 0;
+  const cudaError_t err = launch_ex(windows_kernel<OutT, QUANT>(a), dim3(windows_blocks(a)), dim3(kWinThreads), 0,
+                                    stream, 1, pdl, a);
+  if (err != cudaSuccess) return err;
+  return launch_ex(compressor_state_kernel, dim3(state_blocks(a)), dim3(kWinThreads), 0, stream, 1, pdl, a);
+}
+
 template <typename OutT, int QUANT>
 cudaError_t launch_typed(CompressorArgs a, cudaStream_t stream) {
   Config cfg;
@@ -1511,6 +1780,7 @@ cudaError_t launch_typed(CompressorArgs a, cudaStream_t stream) {
     a.bulk_wait = env_int("DSV4RT_COMPRESSOR_BULK_WAIT", 0) == 1 ? 1 : 0;
     return launch_grid(compressor_bulk_kernel<OutT, QUANT>, a, bulk, stream);
   }
+  if (windows_ok<QUANT>(a)) return launch_windows<OutT, QUANT>(a, stream);
   cfg = pick_config<QUANT>(a);
   a.cluster = cfg.cluster;
   a.groups = cfg.groups;
@@ -1536,7 +1806,7 @@ cudaError_t launch_quant(const CompressorArgs& a, cudaStream_t stream) {
 // The pair kernel when both calls run the kOne instance with these quantisations and this dtype; else false.
 template <typename OutT, int Q1, int Q2>
 bool launch_pair_typed(CompressorArgs a1, CompressorArgs a2, cudaStream_t stream, cudaError_t& err) {
-  if (a1.quant != Q1 || a2.quant != Q2) return false;
+  if (a1.quant != Q1 || a2.quant != Q2 || windows_ok<Q1>(a1) || windows_ok<Q2>(a2)) return false;
   const Config c1 = pick_config<Q1>(a1), c2 = pick_config<Q2>(a2);
   const bool one1 = c1.chunk == 1 && c1.cluster == 1 && !c1.pipe, one2 = c2.chunk == 1 && c2.cluster == 1 && !c2.pipe;
   if (!one1 || !one2 || c1.pdl != c2.pdl) return false;

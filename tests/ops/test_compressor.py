@@ -213,6 +213,21 @@ def test_pair_equals_two_calls(device, case, quants, dtype):
     assert_written_equal((args[12], args[13], args[14]), expected[1])
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("quants", PAIR_QUANTS)
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_pair_windows_path_equals_two_calls(case, quants, monkeypatch):
+    """The same with the windows path forced on (csrc/compressor.cu): the pair then runs each call's windows and
+    state grids, never the decode pair kernel, so it writes exactly what the two calls write
+    (tests/ops/test_compressor_cuda.py checks that path against the reference)."""
+    monkeypatch.setenv("DSV4RT_COMPRESSOR_WINDOWS", "1")
+    args, main, idx = pair_inputs("cuda", case, quants)
+    expected = [ref_result(compressor_update, *a) for a in (main, idx)]
+    compressor_update_pair(*args)
+    assert_written_equal((args[4], args[5], args[6]), expected[0])
+    assert_written_equal((args[12], args[13], args[14]), expected[1])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_pair_opcheck(device):
     args, _, _ = pair_inputs(device, "mixed", (QUANT_FP8, QUANT_FP4))

@@ -318,6 +318,8 @@ def test_compressor_update_cuda_float16(comp):
 # Bulk grid (BULK=1; by default only in calls of 512 tokens or more; no-overlap compressors only): HCA's interior
 # windows, which read no state, in a second grid behind the online kernel: clusters of K CTAs (channel slices) over a
 # span of m tokens, G slot groups, started without waiting for the online kernel (or waiting: BULK_WAIT=1).
+# Windows path (WINDOWS=1; by default only in calls of 1,024 tokens or more; overlap compressors only): a grid that
+# pools every entry of the call at once, then a grid that writes the state.
 FORCED_CONFIGS = {
     "chunk256_g32": {"CHUNK": "256", "GROUPS": "32"},
     "chunk16_g2_nopipe": {"CHUNK": "16", "GROUPS": "2", "PIPE": "0"},
@@ -339,6 +341,10 @@ FORCED_CONFIGS = {
     "bulk_g1_wait": {"BULK": "1", "BULK_G": "1", "BULK_WAIT": "1"},
     "bulk_no_pdl": {"BULK": "1", "PDL": "0"},
     "bulk_k8_chunk4": {"BULK": "1", "BULK_K": "8", "CHUNK": "4"},
+    # the windows path (by default only in calls of 1,024 tokens or more; overlap compressors only): every entry
+    # pooled at once by a windows grid, then the state written by a state grid behind it (HCA runs its defaults)
+    "windows": {"WINDOWS": "1"},
+    "windows_no_pdl": {"WINDOWS": "1", "PDL": "0"},
 }
 
 
@@ -370,12 +376,13 @@ def test_compressor_update_cuda_opcheck(comp):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("comp", ["hca", "csa_main"])
-def test_compressor_update_cuda_graph_replay(comp, monkeypatch, capture_graph):
-    """Captured once (HCA with its bulk grid forced on: two grids ordered by programmatic dependent launch inside
-    the graph); replays on new rows, states and block tables write exactly what the eager op writes on the same
-    inputs, byte for byte (the kernels are deterministic)."""
+@pytest.mark.parametrize("comp,windows", [("hca", "0"), ("csa_main", "0"), ("csa_main", "1")])
+def test_compressor_update_cuda_graph_replay(comp, windows, monkeypatch, capture_graph):
+    """Captured once (HCA with its bulk grid forced on, CSA main with and without the windows path: two grids
+    ordered by programmatic dependent launch inside the graph); replays on new rows, states and block tables write
+    exactly what the eager op writes on the same inputs, byte for byte (the kernels are deterministic)."""
     monkeypatch.setenv("DSV4RT_COMPRESSOR_BULK", "1")
+    monkeypatch.setenv("DSV4RT_COMPRESSOR_WINDOWS", windows)
     op = torch.ops.dsv4rt.compressor_update.default
     static = list(compressor_inputs("cuda", comp, "prefill", "fp8", torch.bfloat16, seed=0).args)
     graph, _ = capture_graph(lambda: op(*static))
