@@ -4,7 +4,8 @@
 // compressor (HCA: the open window as an online softmax state) runs compressor_online_kernel ("no overlap"
 // section) and, in long calls, compressor_bulk_kernel behind it for the windows that read no state ("the bulk grid"
 // section). The general kernel is written for any c; since the online state, the launcher sends it overlap calls
-// only.
+// only, and overlap calls of kWindowsMinTokens tokens or more (prefill chunks) take the windows path instead (a
+// grid that pools every entry at once, then a grid that writes the state: "the windows path" section).
 //
 // Grid (from the shapes only): the tokens are cut into chunks of consecutive tokens; a cluster of K CTAs takes one
 // chunk, CTA k the channel slice [k*d/K, (k+1)*d/K) (of both halves with overlap). In a CTA:
