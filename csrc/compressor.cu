@@ -157,6 +157,17 @@ struct Tok {
   int open_start;  // (s / m) * m
 };
 
+// Token t's step metadata: request slot, position, the request's bounds in the call; r = -1 past the call's tokens.
+struct Meta {
+  int r, p, s, e;
+};
+
+__device__ __forceinline__ Meta token_meta(const CompressorArgs& a, int64_t t) {
+  Meta mt{-1, 0, 0, 0};
+  if (t < a.n_tokens) mt = {a.req_slot[t], a.positions[t], a.start_pos[t], a.end_pos[t]};
+  return mt;
+}
+
 __device__ __forceinline__ Tok chunk_token(const CompressorArgs& a, const Shared& sh, int64_t t0, int chunk, int lt) {
   Tok tk;
   tk.t = t0 + lt;
@@ -885,18 +896,11 @@ __device__ __forceinline__ void update_body(const CompressorArgs& a, int64_t blo
     // --- the chunk's metadata (a token per thread), sorted: closing tokens, row-writing tokens (in order)
     int work = kNone;
     if (x.tid < chunk) {
-      const int64_t t = t0 + x.tid;
-      int r = -1, p = 0, s = 0, e = 0;
-      if (t < a.n_tokens) {
-        r = a.req_slot[t];
-        p = a.positions[t];
-        s = a.start_pos[t];
-        e = a.end_pos[t];
-        if (r >= 0 && r < a.n_slots) {
-          work = token_work(a, p, s, e);
-        } else {
-          r = -1;  // a PAD token (the reference uses the spare slot)
-        }
+      auto [r, p, s, e] = token_meta(a, t0 + x.tid);
+      if (r >= 0 && r < a.n_slots) {
+        work = token_work(a, p, s, e);
+      } else {
+        r = -1;  // a PAD token (the reference uses the spare slot), or past the call's tokens
       }
       sh.meta[x.tid] = r;
       sh.meta[chunk + x.tid] = p;
@@ -1095,13 +1099,7 @@ __device__ __forceinline__ void windows_body(const CompressorArgs& a, int64_t bl
   const Consts cs = load_consts(a, x);  // weights: complete before any grid of the step
   const int64_t t0 = (block * kTeams + team) * m;
   // the span's metadata, lane j < m of every warp holding token t0 + j (step metadata: before the wait)
-  int r = -1, p = 0, s = 0, e = 0;
-  if (lane < m && t0 + lane < a.n_tokens) {
-    r = a.req_slot[t0 + lane];
-    p = a.positions[t0 + lane];
-    s = a.start_pos[t0 + lane];
-    e = a.end_pos[t0 + lane];
-  }
+  const auto [r, p, s, e] = lane < m ? token_meta(a, t0 + lane) : Meta{-1, 0, 0, 0};
   unsigned todo = __ballot_sync(0xffffffffu, r >= 0 && r < a.n_slots && mod_pos(p + 1, m) == 0);
   pdl_wait();  // the previous grid's writes (this call's rows) are visible
   int round = 0;
@@ -1156,14 +1154,7 @@ __device__ __forceinline__ void state_body(const CompressorArgs& a, int64_t bloc
   __shared__ unsigned lasts[kWinThreads / 32];
   pdl_launch_dependents();
   const int m = a.ratio, tid = threadIdx.x;
-  const int64_t t = block * kWinThreads + tid;
-  int r = -1, p = 0, s = 0, e = 0;
-  if (t < a.n_tokens) {
-    r = a.req_slot[t];
-    p = a.positions[t];
-    s = a.start_pos[t];
-    e = a.end_pos[t];
-  }
+  const auto [r, p, s, e] = token_meta(a, block * kWinThreads + tid);
   meta[0][tid] = r;
   meta[1][tid] = p;
   meta[2][tid] = s;
