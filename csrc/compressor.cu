@@ -991,10 +991,11 @@ __global__ void __launch_bounds__(kMaxThreads)
 //     per-channel softmax, then cast, RMS-norm (the team's sum of squares), RoPE, quantise and store (store_entry,
 //     as the general kernel). It writes entries only, never the state;
 //   * the state grid, launched behind it, waits for it in every CTA (pdl_wait) and writes each request's state
-//     from its last token: with a close, the last closed window's rows to overlap rows [0, m), then, after a
-//     barrier (those reads may be of open rows), the new open rows of [open_end, e); without a close, its rows of
-//     [s, e) to their open rows.
-// Both grids are kWinThreads threads a CTA.
+//     from its last token: with a close, the last closed window's rows to overlap rows [0, m) and the new open rows
+//     of [open_end, e) to rows [m, ...): one copy when that window is all this call's rows (the rows read are never
+//     state rows), else the overlap rows first and, after a barrier (those reads may be of open rows), the open rows;
+//     without a close, its rows of [s, e) to their open rows.
+// The windows grid is kWinThreads threads a CTA, the state grid kStateThreads (below).
 constexpr int kWinThreads = 128;
 constexpr int kWinSlots = 8;  // slots a load round (2m for the CSA ratio 4: the whole entry)
 constexpr int64_t kWindowsMinTokens = 1024;
@@ -1093,7 +1094,7 @@ __device__ __forceinline__ void windows_body(const CompressorArgs& a, int64_t bl
   static_assert(QD == 32 || QD == kWinThreads, "a team is a warp or the CTA");
   constexpr int kTeams = kWinThreads / QD;
   __shared__ float red[2][kWinThreads / 32];  // the team's warp sums of squares (two entries in flight)
-  pdl_launch_dependents();
+  if (a.chain != 1) pdl_launch_dependents();  // chain 1: after the wait (see launch_windows_pair_typed)
   const int m = a.ratio, team = static_cast<int>(threadIdx.x) / QD, lane = threadIdx.x & 31;
   const Ctx x = team_ctx<QD>(a);
   const Consts cs = load_consts(a, x);  // weights: complete before any grid of the step
@@ -1101,7 +1102,8 @@ __device__ __forceinline__ void windows_body(const CompressorArgs& a, int64_t bl
   // the span's metadata, lane j < m of every warp holding token t0 + j (step metadata: before the wait)
   const auto [r, p, s, e] = lane < m ? token_meta(a, t0 + lane) : Meta{-1, 0, 0, 0};
   unsigned todo = __ballot_sync(0xffffffffu, r >= 0 && r < a.n_slots && mod_pos(p + 1, m) == 0);
-  pdl_wait();  // the previous grid's writes (this call's rows) are visible
+  if (a.chain != 2) pdl_wait();  // the previous grid's writes (this call's rows) are visible (chain 2: already)
+  if (a.chain == 1) pdl_launch_dependents();
   int round = 0;
 #pragma unroll 1
   while (todo != 0u) {
@@ -1137,6 +1139,7 @@ __device__ __forceinline__ void windows_body(const CompressorArgs& a, int64_t bl
     store_entry<OutT, QUANT>(a, x, nullptr, cs, rt, dst, val, tot);
     ++round;
   }
+  if (a.chain == 2 && blockIdx.x == 0) pdl_wait();  // complete only after the first call's windows grid
 }
 
 // 4 CTAs an SM: 128 registers a thread, no spills (H200: bounds for 3, 4 or 5 CTAs an SM timed the same)
@@ -1148,14 +1151,17 @@ __global__ void __launch_bounds__(kWinThreads, kWinMinBlocks)
   windows_body<OutT, QUANT, QD>(a, blockIdx.x);
 }
 
-// The state grid's CTA `block`: tokens [block, block + 1) * kWinThreads, a token a thread, and the whole CTA on each
-// request's last token in turn.
+// The state grid's CTA `block`: tokens [block, block + 1) * kStateThreads, a token a thread, and the whole CTA on
+// each request's last token in turn. 512 threads: a CSA main request's state rows after a long call (the last closed
+// window's 4 rows and up to 3 open rows, both halves of kv and score) are one load round a thread (copy_rows).
+constexpr int kStateThreads = 512;
+
 __device__ __forceinline__ void state_body(const CompressorArgs& a, int64_t block) {
-  __shared__ int meta[4][kWinThreads];
-  __shared__ unsigned lasts[kWinThreads / 32];
+  __shared__ int meta[4][kStateThreads];
+  __shared__ unsigned lasts[kStateThreads / 32];
   pdl_launch_dependents();
   const int m = a.ratio, tid = threadIdx.x;
-  const auto [r, p, s, e] = token_meta(a, block * kWinThreads + tid);
+  const auto [r, p, s, e] = token_meta(a, block * kStateThreads + tid);
   meta[0][tid] = r;
   meta[1][tid] = p;
   meta[2][tid] = s;
@@ -1170,21 +1176,25 @@ __device__ __forceinline__ void state_body(const CompressorArgs& a, int64_t bloc
   x.quads = a.d / 4;
   x.tid = tid;
 #pragma unroll 1
-  for (int wi = 0; wi < kWinThreads / 32; ++wi) {
+  for (int wi = 0; wi < kStateThreads / 32; ++wi) {
     unsigned todo = lasts[wi];
 #pragma unroll 1
     while (todo != 0u) {
       const int j = 32 * wi + __ffs(todo) - 1;
       todo &= todo - 1u;
       Tok tk;
-      tk.t = block * kWinThreads + j;
+      tk.t = block * kStateThreads + j;
       tk.r = meta[0][j];
       tk.p = meta[1][j];
       tk.s = meta[2][j];
       tk.e = meta[3][j];
       tk.open_start = floor_div(tk.s, m) * m;
       const int open_end = floor_div(tk.e, m) * m;
-      if (open_end > tk.open_start) {
+      if (open_end - m >= tk.s) {
+        // the last closed window is all this call's rows: its rows and the new open rows are one run of positions
+        // [open_end - m, e) whose state rows are [0, m + e - open_end), read from kv/score only, so one copy
+        copy_rows(a, x, tk, 0, open_end - m, m + (tk.e - open_end));
+      } else if (open_end > tk.open_start) {
         copy_rows(a, x, tk, 0, open_end - m, m);
         __syncthreads();  // the overlap rows' reads (maybe of open rows) are done
         if (tk.e > open_end) copy_rows(a, x, tk, m, open_end, tk.e - open_end);
@@ -1195,7 +1205,7 @@ __device__ __forceinline__ void state_body(const CompressorArgs& a, int64_t bloc
   }
 }
 
-__global__ void __launch_bounds__(kWinThreads) compressor_state_kernel(const __grid_constant__ CompressorArgs a) {
+__global__ void __launch_bounds__(kStateThreads) compressor_state_kernel(const __grid_constant__ CompressorArgs a) {
   state_body(a, blockIdx.x);
 }
 
@@ -1460,34 +1470,54 @@ __global__ void __launch_bounds__(kOnlineMaxThreads) compressor_online_kernel(co
 // which allows the launch only after its own pdl_wait: when a CTA of this grid runs, the grids before the call are
 // complete, so it reads the step's rows, metadata and block table without waiting. It writes only interior entries,
 // which that kernel does not touch, and its CTA 0 waits for that kernel (pdl_wait) before it exits, so the grid after
-// this one, which waits for it, sees both. DSV4RT_COMPRESSOR_BULK_WAIT=1 makes every CTA wait first (comparisons).
+// this one, which waits for it, sees both. (The other order, this grid first, was slower: H200, 8,192 tokens, HCA
+// alone 23.9 against 21.6 us; the owner's few dependent loads then queue behind this grid's stream.)
 // H200, 8,192 tokens, HCA alone: 25.0 us against 36.7 us in the online kernel (the owner's path there sets that time).
 constexpr int kBulkMaxThreads = 256;
 constexpr int kBulkMinBlocks = 4;  // at most 64 registers a thread: 4 CTAs of 256 threads an SM
 
-// Slots j = g, g + G, ... of interior entry w of the token tk (every slot a row of this call), merged into ps.
+// Slots j = g, g + G, ... of interior entry w of the token tk, merged into ps. No overlap (c == 1) and every slot a
+// row of this call: slot j is the row of position w*m + j and takes ape row j, so one base address and constant
+// strides; full load rounds carry no predicates.
 __device__ void bulk_pool(const CompressorArgs& a, const Ctx& x, const Tok& tk, int w, Pool& ps) {
-  const int m = a.ratio;
-  const int64_t cw = static_cast<int64_t>(a.c) * a.d;
-  const int64_t row0 = tk.t + (static_cast<int64_t>(w - a.c + 1) * m - tk.p);  // the row of slot 0
-  for (int jb = x.g; jb < x.n_pool; jb += kBatch * x.G) {
-    float4 v[kBatch], s[kBatch], ap[kBatch];
-    bool ok[kBatch];
+  const int m = a.ratio, G = x.G;
+  const int64_t d = a.d, step = static_cast<int64_t>(G) * d;
+  const int64_t base = (tk.t + (static_cast<int64_t>(w) * m - tk.p) + x.g) * d + x.col;  // slot g's row
+  const float* kv = a.kv + base;
+  const float* sc = a.score + base;
+  const float* ap = a.ape + static_cast<int64_t>(x.g) * d + x.col;
+  int jb = x.g;
+  for (; jb + (kBatch - 1) * G < m; jb += kBatch * G) {
+    float4 v[kBatch], s[kBatch];
+    static_assert(kBatch == 4, "one flag a slot");
+    constexpr bool ok[kBatch] = {true, true, true, true};
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {  // every load of the batch before the first add (see issue_pair)
-      const int j = jb + u * x.G;
-      ok[u] = j < x.n_pool;
-      v[u] = s[u] = ap[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      v[u] = __ldcg(reinterpret_cast<const float4*>(kv + u * step));
+      s[u] = __ldcg(reinterpret_cast<const float4*>(sc + u * step));
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) s[u] = add4(s[u], ld4(ap + u * step));
+    reduce_batch(v, s, ok, ps);
+    kv += kBatch * step;
+    sc += kBatch * step;
+    ap += kBatch * step;
+  }
+  if (jb < m) {  // the last, partial round
+    float4 v[kBatch], s[kBatch];
+    bool ok[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      ok[u] = jb + u * G < m;
+      v[u] = s[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       if (ok[u]) {
-        const int col = slot_half(a, j) + x.col;
-        const int64_t off = (row0 + j) * cw + col;
-        v[u] = __ldcg(reinterpret_cast<const float4*>(a.kv + off));
-        s[u] = __ldcg(reinterpret_cast<const float4*>(a.score + off));
-        ap[u] = ld4(a.ape + slot_qm(j, m) * cw + col);
+        v[u] = __ldcg(reinterpret_cast<const float4*>(kv + u * step));
+        s[u] = __ldcg(reinterpret_cast<const float4*>(sc + u * step));
       }
     }
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) s[u] = add4(s[u], ap[u]);
+    for (int u = 0; u < kBatch; ++u)
+      if (ok[u]) s[u] = add4(s[u], ld4(ap + u * step));
     reduce_batch(v, s, ok, ps);
   }
 }
@@ -1501,7 +1531,6 @@ template <typename OutT, int QUANT>
 __global__ void __launch_bounds__(kBulkMaxThreads, kBulkMinBlocks)
     compressor_bulk_kernel(const __grid_constant__ CompressorArgs a) {
   pdl_launch_dependents();  // the next grid waits for this one's completion (pdl_wait at its start)
-  if (a.bulk_wait) pdl_wait();
   extern __shared__ float4 smem[];
   constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
   const Ctx x = slice_ctx(a);
@@ -1722,13 +1751,13 @@ bool windows_ok(const CompressorArgs& a) {
   return on == 1 || a.n_tokens >= kWindowsMinTokens;
 }
 
-// Blocks of the windows grid (a span of m tokens a team) and of the state grid (kWinThreads tokens a CTA).
+// Blocks of the windows grid (a span of m tokens a team) and of the state grid (kStateThreads tokens a CTA).
 inline unsigned windows_blocks(const CompressorArgs& a) {
   const int64_t spans = (a.n_tokens + a.ratio - 1) / a.ratio, teams = kWinThreads / (a.d / 4);
   return static_cast<unsigned>((spans + teams - 1) / teams);
 }
 inline unsigned state_blocks(const CompressorArgs& a) {
-  return static_cast<unsigned>((a.n_tokens + kWinThreads - 1) / kWinThreads);
+  return static_cast<unsigned>((a.n_tokens + kStateThreads - 1) / kStateThreads);
 }
 
 template <typename OutT, int QUANT>
@@ -1747,13 +1776,39 @@ cudaError_t launch_windows(const CompressorArgs& a, cudaStream_t stream) {
   const cudaError_t err = launch_ex(windows_kernel<OutT, QUANT>(a), dim3(windows_blocks(a)), dim3(kWinThreads), 0,
                                     stream, 1, pdl, a);
   if (err != cudaSuccess) return err;
-  return launch_ex(compressor_state_kernel, dim3(state_blocks(a)), dim3(kWinThreads), 0, stream, 1, pdl, a);
+  return launch_ex(compressor_state_kernel, dim3(state_blocks(a)), dim3(kStateThreads), 0, stream, 1, pdl, a);
+}
+
+// The windows paths of a pair's two calls (the same tokens; disjoint tensors apart from the metadata), with
+// programmatic dependent launch: the first call's windows grid, the second's, then each call's state grid. The first
+// windows grid allows the next launch only after its pdl_wait (chain 1), so when a CTA of the second windows grid
+// runs, the grids before the pair are complete and it reads its rows and state without waiting (chain 2); it streams
+// in the first grid's tail instead of behind the first call's state grid. Its CTA 0 waits for the first grid before
+// it exits, so the state grids behind it (every CTA waits) run after both windows grids, as each call's state grid
+// must.
+template <typename OutT, int Q1, int Q2>
+bool launch_windows_pair_typed(CompressorArgs a1, CompressorArgs a2, cudaStream_t stream, cudaError_t& err) {
+  if (a1.quant != Q1 || a2.quant != Q2 || !windows_ok<Q1>(a1) || !windows_ok<Q2>(a2) ||
+      env_int("DSV4RT_COMPRESSOR_PDL", 1) == 0)
+    return false;
+  a1.bulk = a2.bulk = 0;
+  a1.chain = 1;
+  a2.chain = 2;
+  err = launch_ex(windows_kernel<OutT, Q1>(a1), dim3(windows_blocks(a1)), dim3(kWinThreads), 0, stream, 1, true, a1);
+  if (err == cudaSuccess)
+    err = launch_ex(windows_kernel<OutT, Q2>(a2), dim3(windows_blocks(a2)), dim3(kWinThreads), 0, stream, 1, true, a2);
+  a1.chain = a2.chain = 0;
+  if (err == cudaSuccess)
+    err = launch_ex(compressor_state_kernel, dim3(state_blocks(a1)), dim3(kStateThreads), 0, stream, 1, true, a1);
+  if (err == cudaSuccess)
+    err = launch_ex(compressor_state_kernel, dim3(state_blocks(a2)), dim3(kStateThreads), 0, stream, 1, true, a2);
+  return true;
 }
 
 template <typename OutT, int QUANT>
 cudaError_t launch_typed(CompressorArgs a, cudaStream_t stream) {
   Config cfg;
-  a.bulk = a.bulk_wait = 0;
+  a.bulk = a.chain = 0;
   if (a.c == 1) {  // no overlap: the online softmax state, and in long calls the bulk grid behind it
     Config bulk;
     a.bulk = pick_bulk<QUANT>(a, bulk) ? 1 : 0;
@@ -1770,7 +1825,6 @@ cudaError_t launch_typed(CompressorArgs a, cudaStream_t stream) {
     a.groups = bulk.groups;
     a.chunk = bulk.chunk;
     a.pipe = bulk.pipe;
-    a.bulk_wait = env_int("DSV4RT_COMPRESSOR_BULK_WAIT", 0) == 1 ? 1 : 0;
     return launch_grid(compressor_bulk_kernel<OutT, QUANT>, a, bulk, stream);
   }
   if (windows_ok<QUANT>(a)) return launch_windows<OutT, QUANT>(a, stream);
@@ -1809,7 +1863,7 @@ bool launch_pair_typed(CompressorArgs a1, CompressorArgs a2, cudaStream_t stream
     p->groups = c.groups;
     p->chunk = c.chunk;
     p->pipe = c.pipe;
-    p->bulk = p->bulk_wait = 0;
+    p->bulk = p->chain = 0;
   }
   Config cfg = c1;
   cfg.threads = c1.threads > c2.threads ? c1.threads : c2.threads;
@@ -1836,7 +1890,9 @@ cudaError_t compressor_update_pair_launch(const CompressorArgs& a1, const Compre
     bool done = false;
     switch (static_cast<DType>(a1.dtype)) {
       case DType::kBFloat16:
-        done = launch_pair_typed<__nv_bfloat16, kQuantFp8, kQuantFp4>(a1, a2, stream, err) ||
+        done = launch_windows_pair_typed<__nv_bfloat16, kQuantFp8, kQuantFp4>(a1, a2, stream, err) ||
+               launch_windows_pair_typed<__nv_bfloat16, kQuantNone, kQuantNone>(a1, a2, stream, err) ||
+               launch_pair_typed<__nv_bfloat16, kQuantFp8, kQuantFp4>(a1, a2, stream, err) ||
                launch_pair_typed<__nv_bfloat16, kQuantNone, kQuantNone>(a1, a2, stream, err);
         break;
       default:

@@ -41,15 +41,16 @@ struct CompressorArgs {
   int groups;   // slot groups: threads that pool disjoint slots of the same 4 channels
   int chunk;    // tokens per chunk (one chunk per cluster)
   int pipe;     // closing tokens' slots staged in shared memory ahead of their turn
-  int bulk;       // (no overlap) a second grid takes the windows that read no state; this one skips them
-  int bulk_wait;  // that grid waits for the previous one before it reads (DSV4RT_COMPRESSOR_BULK_WAIT=1)
+  int bulk;  // (no overlap) a second grid takes the windows that read no state; this one skips them
+  int chain;  // windows path of a pair: 1 the first call's windows grid, 2 the second's, launched behind it
 };
 
 cudaError_t compressor_update_launch(const CompressorArgs& args, cudaStream_t stream);
 
-// Two overlap calls on the same tokens (the CSA main and indexer compressors of a layer): one grid when both are
-// decode-sized (a token a CTA) with bf16 entries and FP8 / FP4 or unquantised rows, else the two launches above
-// (DSV4RT_COMPRESSOR_PAIR=0: always two launches).
+// Two overlap calls on the same tokens (the CSA main and indexer compressors of a layer), bf16 entries and FP8 / FP4
+// or unquantised rows: one grid when both are decode-sized (a token a CTA); when both take the windows path (prefill
+// chunks), the two windows grids back to back, the second streaming without waiting for the first, then the two state
+// grids; else the two launches above (DSV4RT_COMPRESSOR_PAIR=0: always two launches).
 cudaError_t compressor_update_pair_launch(const CompressorArgs& first, const CompressorArgs& second,
                                           cudaStream_t stream);
 

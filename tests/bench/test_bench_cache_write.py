@@ -206,7 +206,7 @@ SWEEP = {
     ("prefill", "csa_indexer"): [",,,", "WINDOWS=0", ",1,,", ",4,,", ",,8,", ",,16,", ",,32,", ",1,8,", ",1,16,",
                                  ",,8,0"],
     ("prefill", "hca"): [",,,", "BULK=0", "BULK_K=8", "BULK_G=16", "BULK_K=8 BULK_G=8", "BULK_K=2 BULK_G=4",
-                         "BULK_WAIT=1", "2,,128,"],
+                         "8,,,", "2,,128,"],
     ("decode", "csa_main"): [",,,", ",2,1,", "2,,1,", "4,,1,"],
     ("decode", "csa_indexer"): [",,,", ",2,1,", ",1,1,"],
     ("decode", "hca"): [",,,", ",,2,", ",,4,", "2,,1,"],
@@ -215,7 +215,7 @@ SWEEP = {
 }
 # the three together under per-compressor configurations (csa_main, csa_indexer, hca), as above
 COMBOS = {
-    "prefill": [(",,,", ",,,", ",,,"), (",,,", ",,,", "BULK=0"), (",,,", ",,,", "BULK_WAIT=1"),
+    "prefill": [(",,,", ",,,", ",,,"), (",,,", ",,,", "BULK=0"), (",,,", ",,,", "8,,,"),
                 (",,,", ",,,", "BULK_K=8 BULK_G=8")],
     "decode": [(",,,", ",,,", ",,,"), ("4,,1,", ",,,", ",,,"), (",,,,100", ",,,,100", ",,,,100")],
 }

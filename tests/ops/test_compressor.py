@@ -186,11 +186,12 @@ def test_trace(device, kind, quant):
 
 
 # ------------------------------------------------------------------------------------------ the CSA pair
-def pair_inputs(device, case: str, quants: tuple[int, int], dtype: torch.dtype = torch.bfloat16):
+def pair_inputs(device, case: str, quants: tuple[int, int], dtype: torch.dtype = torch.bfloat16,
+                seeds: tuple[int, int] = (1, 2)):
     """(compressor_update_pair's 26 args, the two compressor_update argument lists they stand for): the CSA main
     and indexer compressors on one step; the indexer's call takes the main call's metadata and block table."""
-    main = compressor_update_inputs(device, case, "csa", quants[0], dtype, seed=1)
-    idx = list(compressor_update_inputs(device, case, "indexer", quants[1], dtype, seed=2))
+    main = compressor_update_inputs(device, case, "csa", quants[0], dtype, seed=seeds[0])
+    idx = list(compressor_update_inputs(device, case, "indexer", quants[1], dtype, seed=seeds[1]))
     assert idx[7].shape[:2] == main[7].shape[:2]  # the same block pool (same windows, same ratio)
     idx[8:13] = main[8:13]  # req_slot, positions, start_pos, end_pos, block_table
     return pair_args(main, idx), main, tuple(idx)
@@ -217,15 +218,37 @@ def test_pair_equals_two_calls(device, case, quants, dtype):
 @pytest.mark.parametrize("quants", PAIR_QUANTS)
 @pytest.mark.parametrize("case", CASE_NAMES)
 def test_pair_windows_path_equals_two_calls(case, quants, monkeypatch):
-    """The same with the windows path forced on (csrc/compressor.cu): the pair then runs each call's windows and
-    state grids, never the decode pair kernel, so it writes exactly what the two calls write
-    (tests/ops/test_compressor_cuda.py checks that path against the reference)."""
+    """The same with the windows path forced on (csrc/compressor.cu): the pair then runs both calls' windows grids
+    back to back (the second reads without waiting for the first), then each call's state grid, never the decode pair
+    kernel, and writes exactly what the two calls write (tests/ops/test_compressor_cuda.py checks that path against
+    the reference)."""
     monkeypatch.setenv("DSV4RT_COMPRESSOR_WINDOWS", "1")
     args, main, idx = pair_inputs("cuda", case, quants)
     expected = [ref_result(compressor_update, *a) for a in (main, idx)]
     compressor_update_pair(*args)
     assert_written_equal((args[4], args[5], args[6]), expected[0])
     assert_written_equal((args[12], args[13], args[14]), expected[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["prefill", "mixed"])
+def test_pair_windows_path_graph_replay(case, monkeypatch, capture_graph):
+    """The windows pair captured once (four grids ordered by programmatic dependent launch inside the graph); replays
+    on new rows, states and block tables write what the two calls write on them."""
+    monkeypatch.setenv("DSV4RT_COMPRESSOR_WINDOWS", "1")
+    static = list(pair_inputs("cuda", case, (QUANT_FP8, QUANT_FP4))[0])
+    op = torch.ops.dsv4rt.compressor_update_pair.default
+    graph, _ = capture_graph(lambda: op(*static))
+    for seeds in ((3, 4), (5, 6)):
+        new, main, idx = pair_inputs("cuda", case, (QUANT_FP8, QUANT_FP4), seeds=seeds)
+        expected = [ref_result(compressor_update, *a) for a in (main, idx)]
+        for dst, src in zip(static, new):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_written_equal((static[4], static[5], static[6]), expected[0])
+        assert_written_equal((static[12], static[13], static[14]), expected[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)

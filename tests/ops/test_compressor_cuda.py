@@ -317,7 +317,7 @@ def test_compressor_update_cuda_float16(comp):
 # dependent launch.
 # Bulk grid (BULK=1; by default only in calls of 512 tokens or more; no-overlap compressors only): HCA's interior
 # windows, which read no state, in a second grid behind the online kernel: clusters of K CTAs (channel slices) over a
-# span of m tokens, G slot groups, started without waiting for the online kernel (or waiting: BULK_WAIT=1).
+# span of m tokens, G slot groups, started without waiting for the online kernel.
 # Windows path (WINDOWS=1; by default only in calls of 1,024 tokens or more; overlap compressors only): a grid that
 # pools every entry of the call at once, then a grid that writes the state.
 FORCED_CONFIGS = {
@@ -338,7 +338,8 @@ FORCED_CONFIGS = {
     # compressors have none, so these run their defaults)
     "bulk": {"BULK": "1"},
     "bulk_k2_g3": {"BULK": "1", "BULK_K": "2", "BULK_G": "3"},
-    "bulk_g1_wait": {"BULK": "1", "BULK_G": "1", "BULK_WAIT": "1"},
+    "bulk_g1": {"BULK": "1", "BULK_G": "1"},
+    "bulk_online_cluster8": {"BULK": "1", "CLUSTER": "8"},
     "bulk_no_pdl": {"BULK": "1", "PDL": "0"},
     "bulk_k8_chunk4": {"BULK": "1", "BULK_K": "8", "CHUNK": "4"},
     # the windows path (by default only in calls of 1,024 tokens or more; overlap compressors only): every entry
