@@ -29,6 +29,7 @@
 #include <cstring>
 
 #include "attention.h"
+#include "async_copy.cuh"
 #include "kv_quant.cuh"
 #include "launch.cuh"
 
@@ -162,10 +163,6 @@ __device__ __forceinline__ float scale_from_byte(uint32_t b) {
 }
 
 // ------------------------------------------------------------------------------------------ PTX helpers
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 __device__ __forceinline__ void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -338,31 +335,7 @@ __device__ __forceinline__ uint32_t swz(int row, int c) {
 // Flag in a key's kinds byte: its FP8 row starts 8 bytes into its staging slot (see issue_key).
 constexpr int kShift8 = 0x40;
 
-// ---- mbarrier and bulk copies (sm_90+): a tile's rows land in the staging slots by the copy engine
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nWAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-// `bytes` (a multiple of 16) from global src (16-byte aligned) to shared dst (16-byte aligned); completes on bar.
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
-
+// ---- a tile's rows land in the staging slots by the copy engine (bulk_copy, mbarriers: async_copy.cuh)
 // The bytes of a key row's copy: from its 16-byte aligned base (an FP8 row, 8-byte aligned in a cache with a
 // 16-byte aligned base (cache_fast), starts 8 bytes after it when odd: kShift8), `whole` of them by the copy engine
 // (a multiple of 16), and a tail of `tail` bytes (< 16, 8-byte words) that only a row at the very end of its cache
@@ -664,7 +637,7 @@ __global__ void __launch_bounds__(MmaCfg<D, MT>::kCtaThreads, 1)
   const uint32_t staged_bar = smem_u32(smem + C::kBarOff);
   if (tid == 0) {
     mbar_init(staged_bar, C::kIssueThreads);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
 

@@ -206,17 +206,14 @@ __device__ __forceinline__ void flush_hist(const Ws& ws, int64_t tl, int c, cons
 // ------------------------------------------------------------------------------------------ tensor-core scoring
 // A warpgroup per CTA; a CTA takes a range of 64-entry tiles of one token. Per tile, D[64 entries x 64 heads] =
 // K_tile[64 x DI] * q^T[DI x 64] by wgmma m64n64k16: A (keys) from registers, B (q, zero heads past n_heads) from
-// shared memory, loaded once. Warp w owns tile rows 16w..16w+15: it cp.asyncs their raw rows into its own ring
-// (no block barrier), and lane (g, t) decodes rows g and g+8, k slice t (DI/4 values: one FP4 scale block when
-// DI = 128) straight into its A fragments. The k order inside a slice is the decoder's; q is staged in the same
+// shared memory, loaded once. Warp w owns tile rows 16w..16w+15: it copies their raw rows into its own ring (no
+// block barrier), and lane (g, t) decodes rows g and g+8, k slice t (DI/4 values: one FP4 scale block when
+// DI = 128) straight into its A fragments. FP4 rows in blocks of >= 16 entries (BULK: the warp's 16 rows are one
+// contiguous run) go by one bulk copy of the run (lane 0; the stage's mbarrier counts its bytes); else each lane
+// cp.asyncs 16-byte chunks. The k order inside a slice is the decoder's; q is staged in the same
 // order. A tile's raw rows are read while the previous tile's wgmma runs, decoded once it has completed (the
 // fragments are its operands); 4 CTAs an SM overlap each other's wgmmas. relu, weight and the sum over heads run
 // on the accumulators (16 heads a lane, then 2 shuffles).
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-
 // a * b per bf16 half, exact for the power-of-two scales used here (adding -0 keeps an exact +0)
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   uint32_t d;
@@ -237,7 +234,8 @@ struct WgCfg {
   static constexpr int kSeg = 16 * kRow;                         // one warp's rows of a tile
   static constexpr int kStages = FP4 ? 4 : 3;                    // raw ring depth (tiles)
   static constexpr size_t kSmem = 1024 + kQBytes + static_cast<size_t>(kStages) * 4 * kSeg +
-                                  (kBins + kScratchWords) * sizeof(uint32_t);
+                                  (kBins + kScratchWords) * sizeof(uint32_t) +
+                                  static_cast<size_t>(kStages) * 4 * sizeof(uint64_t);  // the ring's mbarriers
   static_assert(DI == 64 || DI == 128, "tensor-core path: head dim 64 or 128");
   static_assert(kSeg % 16 == 0, "a warp's rows must be whole 16-byte chunks");
 };
@@ -310,24 +308,44 @@ __device__ __forceinline__ void wgmma_m64n64k16_first(float (&d)[32], uint32_t a
 }
 
 
-template <int DI, bool FP4>
+// block_in_pool in 32 bits (this path: n_blocks * per_block <= 2^32, so n_blocks < 2^31)
+__device__ __forceinline__ uint32_t block_in_pool32(const int32_t* bt_row, int col, int n_blocks) {
+  const int b = __ldg(bt_row + col);
+  return static_cast<uint32_t>(min(max(b, 0), n_blocks - 1));
+}
+
+template <int DI, bool FP4, bool BULK>
 struct WgWarp {
   using C = WgCfg<DI, FP4>;
+  static_assert(!BULK || FP4, "bulk copies carry raw FP4 rows (bf16 rows are swizzled by chunk)");
   static constexpr int kRaw = DI / 32;  // FP4: 32-bit code words of a lane's slice of a row (8 codes each)
   uint32_t raw[2][kRaw];                // rows g, g + 8 (FP4)
   uint32_t scale[2];
   uint32_t frag[C::kKSteps][4];         // A fragments, wgmma operand order
 
-  // cp.async this warp's 16 rows of tile entries [j0, j0 + 64) into `seg` (FP4 rows raw; bf16 rows with their
-  // 16-byte chunks swizzled by row). Rows past the visible count are skipped (or, within a block's run, copied and
-  // ignored). bt_row: the token's block-table row.
-  static __device__ __forceinline__ void copy(const IndexerArgs& a, const int32_t* bt_row, int64_t nv, int64_t j0,
-                                              int warp, int lane, uint8_t* seg, int log2e) {
+  // Copy this warp's 16 rows of tile entries [j0, j0 + 64) into `seg` (FP4 rows raw; bf16 rows with their 16-byte
+  // chunks swizzled by row). Rows past the visible count are skipped (or, within a block's run, copied and
+  // ignored). bt_row: the token's block-table row. BULK: one bulk copy by lane 0 that completes the phase of `bar`
+  // (lane 0 arrives without bytes when the run holds no visible row); else cp.async (the caller commits).
+  static __device__ __forceinline__ void copy(const IndexerArgs& a, const int32_t* bt_row, int nv, int j0, int warp,
+                                              int lane, uint8_t* seg, int log2e, uint32_t bar) {
     const uint8_t* cache = static_cast<const uint8_t*>(a.idx_cache);
-    const int64_t r0 = j0 + 16 * warp;
+    const int r0 = j0 + 16 * warp;
+    if (BULK) {  // log2e >= 4
+      if (lane != 0) return;
+      if (r0 >= nv) {
+        mbar_arrive(bar);
+        return;
+      }
+      const uint32_t row = (block_in_pool32(bt_row, r0 >> log2e, static_cast<int>(a.n_blocks)) << log2e) |
+                           (static_cast<uint32_t>(r0) & ((1u << log2e) - 1u));
+      mbar_arrive_expect_tx(bar, C::kSeg);
+      bulk_copy(smem_u32(seg), cache + static_cast<uint64_t>(row) * C::kRow, C::kSeg, bar);
+      return;
+    }
     if (log2e >= 4) {  // the warp's 16 rows are consecutive rows of one block: one lookup, one contiguous run
       if (r0 >= nv) return;
-      const uint32_t row = (static_cast<uint32_t>(block_in_pool(a, bt_row, r0 >> log2e)) << log2e) |
+      const uint32_t row = (block_in_pool32(bt_row, r0 >> log2e, static_cast<int>(a.n_blocks)) << log2e) |
                            (static_cast<uint32_t>(r0) & ((1u << log2e) - 1u));
       const uint8_t* src = cache + static_cast<uint64_t>(row) * C::kRow;
       const uint32_t dst = smem_u32(seg);
@@ -395,7 +413,10 @@ struct WgWarp {
 
   // FP4 codes to exact bf16: codes c = s|eem at bf16 bits 15 and 8..6 are e2m1(c) * 2^-126 (subnormal for e = 0);
   // a multiply by 2^(scale - 1) gives the value; when that overflows bf16 (scale > 128), 2^126 then 2^(scale - 127).
-  // Call only once the wgmma that read frag[] has completed.
+  // Register k of a code word takes nibbles k and k + 4 (bits 4k and 16 + 4k, k < 2; of the word shifted right by 8
+  // for k >= 2): the nibbles alone (mask), times 2^12 + 2^6 (or 2^8 + 2^2 for the upper nibble of a byte) puts
+  // copies of each at bits 15..12 and 9..6 (31..28, 25..22) without carries, of which s at 15 and eem at 8..6 are
+  // kept. Call only once the wgmma that read frag[] has completed.
   __device__ __forceinline__ void decode(const uint8_t* seg, int g, int t) {
     if constexpr (!FP4) {
       constexpr int kChunks = DI / 32;  // 16-byte chunks of the lane's slice (8 values each)
@@ -424,8 +445,9 @@ struct WgWarp {
         for (int i = 0; i < kRaw; ++i) {
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
-            const uint32_t q = raw[rr][i] << (4 * (3 - k));  // nibbles k and k + 4 to bits 12..15 and 28..31
-            at(rr, 4 * i + k) = bf16x2_mul((q & 0x80008000u) | ((q >> 6) & 0x01C001C0u), m1x2);
+            const uint32_t w = k < 2 ? raw[rr][i] : raw[rr][i] >> 8;
+            const uint32_t c = (k & 1) ? (w & 0x00F000F0u) * 0x104u : (w & 0x000F000Fu) * 0x1040u;
+            at(rr, 4 * i + k) = bf16x2_mul(c & 0x81C081C0u, m1x2);
           }
         }
         big[rr] = s > 128 ? (s << 7) | (s << 23) : 0x3F803F80u;  // the second factor (1.0 if none)
@@ -467,8 +489,8 @@ struct WgWarp {
 
 // relu, weight, sum over the 64 heads of D rows g and g + 8: lane t = 0 stores row g, t = 1 row g + 8.
 // wv: this lane's 16 head weights (heads 8c + 2t + e at 2c + e) in shared memory (registers are short here).
-__device__ __forceinline__ void wg_epilogue(const float (&d)[32], const float* wv, uint32_t* keys,
-                                            const Tok& tok, int64_t j0, uint32_t* hist) {
+__device__ __forceinline__ void wg_epilogue(const float (&d)[32], const float* wv, uint32_t* keys, int nv, int j0,
+                                            uint32_t* hist) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
@@ -486,8 +508,8 @@ __device__ __forceinline__ void wg_epilogue(const float (&d)[32], const float* w
   s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
   s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
   s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-  const int64_t j = j0 + 16 * warp + g + 8 * t;
-  if (t < 2 && j < tok.nv) {
+  const int j = j0 + 16 * warp + g + 8 * t;
+  if (t < 2 && j < nv) {
     const uint32_t key = order_key(t == 0 ? s0 : s1);
     keys[j] = key;
     atomicAdd(hist + (key >> 20), 1u);
@@ -495,12 +517,12 @@ __device__ __forceinline__ void wg_epilogue(const float (&d)[32], const float* w
 }
 #endif  // sm_90a
 
-template <int DI, bool FP4>
+template <int DI, bool FP4, bool BULK>
 __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a, const Ws ws, const int64_t t0,
                                                              const int ctas, const int log2e) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using C = WgCfg<DI, FP4>;
-  using W = WgWarp<DI, FP4>;
+  using W = WgWarp<DI, FP4, BULK>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // swizzle atoms are 1 KB aligned
   uint8_t* qsm = base;                                                        // q^T
@@ -513,8 +535,9 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
   const Tok tok = token_info(a, t, ws.n_cap);
   if (tok.nv <= a.topk) return;  // every visible entry is selected: nothing to score
   for (int b = tid; b < kBins; b += 128) hist[b] = 0;
+  const int nv = static_cast<int>(tok.nv);  // < 2^31 (use_tensor_cores)
   const int64_t n_tiles = (tok.nv + kWgTile - 1) / kWgTile;
-  const int64_t tb = n_tiles * c / ctas;
+  const int tb = static_cast<int>(n_tiles * c / ctas);
   const int n = static_cast<int>(n_tiles * (c + 1) / ctas - tb);
 
   // q^T into shared memory (row = head, k order of the operands), zero heads past n_heads: 16-byte loads, all
@@ -548,6 +571,15 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
     wv_s[tid] = h < a.n_heads ? a.weights[t * a.n_heads + h] : 0.0f;
   }
   const float* wv = wv_s + 16 * t4;
+  // the ring's mbarriers (BULK), [kStages][4 warps]: stage i % kStages of warp w completes its phase (i / kStages)
+  // once tile i's run has landed
+  const uint32_t bars = smem_u32(wv_s + kScratchWords) + 8 * warp;
+  auto bar = [&](int i) { return bars + (i % C::kStages) * 4 * 8; };
+  if (BULK && lane == 0) {
+#pragma unroll
+    for (int i = 0; i < C::kStages; ++i) mbar_init(bar(i), 1);
+    mbar_init_fence();
+  }
   fence_proxy_async();
   __syncthreads();
 
@@ -556,8 +588,8 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
   auto seg = [&](int i) { return my_ring + (i % C::kStages) * 4 * C::kSeg; };
 #pragma unroll
   for (int i = 0; i < C::kStages - 1; ++i) {
-    if (i < n) W::copy(a, bt_row, tok.nv, (tb + i) * kWgTile, warp, lane, seg(i), log2e);
-    cp_async_commit();
+    if (i < n) W::copy(a, bt_row, nv, (tb + i) * kWgTile, warp, lane, seg(i), log2e, bar(i));
+    if (!BULK) cp_async_commit();
   }
   const uint64_t desc0 = smem_desc(smem_u32(qsm));
   uint32_t* keys = ws.keys + tl * ws.n_cap;
@@ -568,25 +600,29 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
   // per tile: raw rows of tile i to registers, refill the ring, finish tile i - 1 (its wgmma read the fragments
   // that tile i's decode overwrites), decode and start tile i
   for (int i = 0; i < n; ++i) {
-    cp_async_wait<C::kStages - 2>();
-    __syncwarp();
+    if (BULK) {
+      mbar_wait(bar(i), static_cast<uint32_t>(i / C::kStages) & 1u);
+    } else {
+      cp_async_wait<C::kStages - 2>();
+      __syncwarp();
+    }
     w.fetch(seg(i), g, t4);
     __syncwarp();  // every lane has read the stage before it is refilled
-    if (i + C::kStages - 1 < n) W::copy(a, bt_row, tok.nv, (tb + i + C::kStages - 1) * kWgTile, warp, lane,
-                                        seg(i + C::kStages - 1), log2e);
-    cp_async_commit();
+    if (i + C::kStages - 1 < n) W::copy(a, bt_row, nv, (tb + i + C::kStages - 1) * kWgTile, warp, lane,
+                                        seg(i + C::kStages - 1), log2e, bar(i + C::kStages - 1));
+    if (!BULK) cp_async_commit();
     wgmma_wait0();
     fence_regs(d);
     w.retire();
-    if (i > 0) wg_epilogue(d, wv, keys, tok, (tb + i - 1) * kWgTile, hist);
+    if (i > 0) wg_epilogue(d, wv, keys, nv, (tb + i - 1) * kWgTile, hist);
     w.decode(seg(i), g, t4);  // bf16: reads stage i, which is refilled only at step i + 1 (after its __syncwarp)
     w.issue(d, desc0);
   }
   wgmma_wait0();
   fence_regs(d);
   w.retire();
-  if (n > 0) wg_epilogue(d, wv, keys, tok, (tb + n - 1) * kWgTile, hist);
-  cp_async_wait<0>();
+  if (n > 0) wg_epilogue(d, wv, keys, nv, (tb + n - 1) * kWgTile, hist);
+  if (!BULK) cp_async_wait<0>();  // (BULK: every run copied was waited for)
   pdl_launch_dependents();  // the select grid may be scheduled (it waits for this grid's completion)
   flush_hist<128>(ws, tl, c, hist);
 #endif
@@ -975,6 +1011,7 @@ bool use_tensor_cores(const IndexerArgs& a) {
   return major == 9 && a.q_dtype == 1 && (fp4 || a.format == static_cast<int>(IdxFormat::kBFloat16)) &&
          a.n_heads >= 1 && a.n_heads <= kWgHeads && (a.head_dim == 64 || a.head_dim == 128) &&
          log2_exact(a.per_block) >= 0 && a.n_blocks * a.per_block <= (int64_t(1) << 32) &&  // 32-bit row numbers
+         n_cap_of(a) <= INT_MAX - kWgTile &&                                                 // 32-bit entry indices
          (run * a.row_bytes) % 16 == 0 && (fp4 || a.row_bytes % 16 == 0) &&
          reinterpret_cast<uintptr_t>(a.idx_cache) % 16 == 0 && reinterpret_cast<uintptr_t>(a.q) % 16 == 0;
 }
@@ -982,7 +1019,9 @@ bool use_tensor_cores(const IndexerArgs& a) {
 template <int DI, bool FP4>
 cudaError_t launch_wgmma(const IndexerArgs& a, const Ws& ws, int64_t t0, int64_t g, cudaStream_t stream) {
   using C = WgCfg<DI, FP4>;
-  auto kernel = score_wgmma_kernel<DI, FP4>;
+  // FP4 rows in blocks of >= 16 entries: a warp's 16 rows are one run, copied in bulk
+  const bool bulk = FP4 && a.per_block >= 16 && !env_flag("DSV4RT_INDEXER_CP_ASYNC");
+  auto kernel = bulk ? score_wgmma_kernel<DI, FP4, FP4> : score_wgmma_kernel<DI, FP4, false>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::kSmem));
   if (err != cudaSuccess) return err;

@@ -239,6 +239,21 @@ def test_fp4_mixed_scales(path):
     check(run_poisoned(args), args)
 
 
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_fp4_copy_paths_agree(head_dim, monkeypatch):
+    # FP4 rows in blocks of >= 16 entries reach shared memory by one bulk copy a warp's run; DSV4RT_INDEXER_CP_ASYNC=1
+    # takes per-lane 16-byte copies instead. Both give the reference's sets and the same output bit for bit. Lengths
+    # end a warp's run part way and leave some warps of the last tile with no visible row; 20,000 entries give a CTA
+    # many tiles (each stage's mbarrier goes through many phases).
+    toks = _lengths_tokens([513, 1000, 3001, 20000], 1)
+    args = make_inputs(toks, "fp4", **dict(FLASH, head_dim=head_dim), seed=13)
+    monkeypatch.delenv("DSV4RT_INDEXER_CP_ASYNC", raising=False)
+    bulk = run_poisoned(args)
+    check(bulk, args)
+    monkeypatch.setenv("DSV4RT_INDEXER_CP_ASYNC", "1")
+    assert torch.equal(run_poisoned(args), bulk)
+
+
 def test_deterministic():
     args = make_inputs(_lengths_tokens([600, 5000, 20000], 1), "fp4", **FLASH, seed=8)
     a, b = run_poisoned(args), run_poisoned(args)
