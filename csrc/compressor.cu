@@ -1474,7 +1474,9 @@ __global__ void __launch_bounds__(kOnlineMaxThreads) compressor_online_kernel(co
 // alone 23.9 against 21.6 us; the owner's few dependent loads then queue behind this grid's stream.)
 // H200, 8,192 tokens, HCA alone: 25.0 us against 36.7 us in the online kernel (the owner's path there sets that time).
 constexpr int kBulkMaxThreads = 256;
-constexpr int kBulkMinBlocks = 4;  // at most 64 registers a thread: 4 CTAs of 256 threads an SM
+// at most 80 registers a thread (at 64, 168 bytes spilled, much of it in the pooling loop): an SM holds the 2 CTAs
+// that an 8,192-token call gives it and an online-kernel CTA beside them
+constexpr int kBulkMinBlocks = 3;
 
 // Slots j = g, g + G, ... of interior entry w of the token tk, merged into ps. No overlap (c == 1) and every slot a
 // row of this call: slot j is the row of position w*m + j and takes ape row j, so one base address and constant
