@@ -1159,7 +1159,7 @@ constexpr int kStateThreads = 512;
 __device__ __forceinline__ void state_body(const CompressorArgs& a, int64_t block) {
   __shared__ int meta[4][kStateThreads];
   __shared__ unsigned lasts[kStateThreads / 32];
-  pdl_launch_dependents();
+  if (a.chain != 1) pdl_launch_dependents();  // chain 1: after the wait (see launch_windows_pair_typed)
   const int m = a.ratio, tid = threadIdx.x;
   const auto [r, p, s, e] = token_meta(a, block * kStateThreads + tid);
   meta[0][tid] = r;
@@ -1169,7 +1169,8 @@ __device__ __forceinline__ void state_body(const CompressorArgs& a, int64_t bloc
   const unsigned b = __ballot_sync(0xffffffffu, r >= 0 && r < a.n_slots && p == e - 1);
   if ((tid & 31) == 0) lasts[tid >> 5] = b;
   __syncthreads();
-  pdl_wait();  // every CTA: the windows grid, which reads the state, is complete
+  if (a.chain != 2) pdl_wait();  // every CTA: the windows grid, which reads the state, is complete (chain 2: already)
+  if (a.chain == 1) pdl_launch_dependents();
   Ctx x{};
   x.K = 1;
   x.dk = a.d;
@@ -1203,6 +1204,7 @@ __device__ __forceinline__ void state_body(const CompressorArgs& a, int64_t bloc
       }
     }
   }
+  if (a.chain == 2 && block == 0) pdl_wait();  // complete only after the first call's state grid
 }
 
 __global__ void __launch_bounds__(kStateThreads) compressor_state_kernel(const __grid_constant__ CompressorArgs a) {
@@ -1786,8 +1788,10 @@ cudaError_t launch_windows(const CompressorArgs& a, cudaStream_t stream) {
 // windows grid allows the next launch only after its pdl_wait (chain 1), so when a CTA of the second windows grid
 // runs, the grids before the pair are complete and it reads its rows and state without waiting (chain 2); it streams
 // in the first grid's tail instead of behind the first call's state grid. Its CTA 0 waits for the first grid before
-// it exits, so the state grids behind it (every CTA waits) run after both windows grids, as each call's state grid
-// must.
+// it exits, so the first state grid (every CTA waits) runs after both windows grids, as each call's state grid must.
+// The state grids pair up the same way: the first allows the next launch after its wait (both windows grids are
+// complete then), the second writes its call's state without waiting, beside the first, and its CTA 0 waits for the
+// first before it exits, so the grid after the pair sees both.
 template <typename OutT, int Q1, int Q2>
 bool launch_windows_pair_typed(CompressorArgs a1, CompressorArgs a2, cudaStream_t stream, cudaError_t& err) {
   if (a1.quant != Q1 || a2.quant != Q2 || !windows_ok<Q1>(a1) || !windows_ok<Q2>(a2) ||
@@ -1799,7 +1803,6 @@ bool launch_windows_pair_typed(CompressorArgs a1, CompressorArgs a2, cudaStream_
   err = launch_ex(windows_kernel<OutT, Q1>(a1), dim3(windows_blocks(a1)), dim3(kWinThreads), 0, stream, 1, true, a1);
   if (err == cudaSuccess)
     err = launch_ex(windows_kernel<OutT, Q2>(a2), dim3(windows_blocks(a2)), dim3(kWinThreads), 0, stream, 1, true, a2);
-  a1.chain = a2.chain = 0;
   if (err == cudaSuccess)
     err = launch_ex(compressor_state_kernel, dim3(state_blocks(a1)), dim3(kStateThreads), 0, stream, 1, true, a1);
   if (err == cudaSuccess)

@@ -42,7 +42,7 @@ struct CompressorArgs {
   int chunk;    // tokens per chunk (one chunk per cluster)
   int pipe;     // closing tokens' slots staged in shared memory ahead of their turn
   int bulk;  // (no overlap) a second grid takes the windows that read no state; this one skips them
-  int chain;  // windows path of a pair: 1 the first call's windows grid, 2 the second's, launched behind it
+  int chain;  // windows path of a pair: 1 the first call's windows (state) grid, 2 the second's, launched behind it
 };
 
 cudaError_t compressor_update_launch(const CompressorArgs& args, cudaStream_t stream);
