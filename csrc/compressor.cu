@@ -999,6 +999,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 constexpr int kWinThreads = 128;
 constexpr int kWinSlots = 8;  // slots a load round (2m for the CSA ratio 4: the whole entry)
 constexpr int64_t kWindowsMinTokens = 1024;
+constexpr int kCsaRatio = 4;  // the windows kernel's instance with the CSA shape as constants (windows_body)
 
 // The team's place: one team of QD threads (the whole row, a quad a thread), kWinThreads / QD teams a CTA.
 template <int QD>
@@ -1089,9 +1090,17 @@ __device__ __forceinline__ void pool_interior(const CompressorArgs& a, const Ctx
   }
 }
 
-template <typename OutT, int QUANT, int QD>
-__device__ __forceinline__ void windows_body(const CompressorArgs& a, int64_t block) {
+template <typename OutT, int QUANT, int QD, int kM>
+__device__ __forceinline__ void windows_body(const CompressorArgs& args, int64_t block) {
   static_assert(QD == 32 || QD == kWinThreads, "a team is a warp or the CTA");
+  // kM > 0 (the CSA shape, picked by the launcher): ratio kM, overlap and d = 4 QD as constants, so that the slots'
+  // strides and offsets, the windows' arithmetic and the post-processing's loops fold (every callee is inlined)
+  CompressorArgs a = args;
+  if constexpr (kM > 0) {
+    a.ratio = kM;
+    a.c = 2;
+    a.d = 4 * QD;
+  }
   constexpr int kTeams = kWinThreads / QD;
   __shared__ float red[2][kWinThreads / 32];  // the team's warp sums of squares (two entries in flight)
   if (a.chain != 1) pdl_launch_dependents();  // chain 1: after the wait (see launch_windows_pair_typed)
@@ -1145,10 +1154,10 @@ __device__ __forceinline__ void windows_body(const CompressorArgs& a, int64_t bl
 // 4 CTAs an SM: 128 registers a thread, no spills (H200: bounds for 3, 4 or 5 CTAs an SM timed the same)
 constexpr int kWinMinBlocks = 4;
 
-template <typename OutT, int QUANT, int QD>
+template <typename OutT, int QUANT, int QD, int kM>
 __global__ void __launch_bounds__(kWinThreads, kWinMinBlocks)
     compressor_windows_kernel(const __grid_constant__ CompressorArgs a) {
-  windows_body<OutT, QUANT, QD>(a, blockIdx.x);
+  windows_body<OutT, QUANT, QD, kM>(a, blockIdx.x);
 }
 
 // The state grid's CTA `block`: tokens [block, block + 1) * kStateThreads, a token a thread, and the whole CTA on
@@ -1767,10 +1776,13 @@ inline unsigned state_blocks(const CompressorArgs& a) {
 template <typename OutT, int QUANT>
 auto windows_kernel(const CompressorArgs& a) {
   constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
+  const bool csa = a.ratio == kCsaRatio;  // (c == 2 and d == 4 QD: windows_ok)
   if constexpr (kFp4) {
-    return compressor_windows_kernel<OutT, QUANT, 32>;
+    return csa ? compressor_windows_kernel<OutT, QUANT, 32, kCsaRatio> : compressor_windows_kernel<OutT, QUANT, 32, 0>;
   } else {
-    return a.d == 128 ? compressor_windows_kernel<OutT, QUANT, 32> : compressor_windows_kernel<OutT, QUANT, 128>;
+    if (a.d == 128)
+      return csa ? compressor_windows_kernel<OutT, QUANT, 32, kCsaRatio> : compressor_windows_kernel<OutT, QUANT, 32, 0>;
+    return csa ? compressor_windows_kernel<OutT, QUANT, 128, kCsaRatio> : compressor_windows_kernel<OutT, QUANT, 128, 0>;
   }
 }
 
