@@ -1,4 +1,5 @@
-"""Timing helpers shared by the kernel benchmarks: capture calls in one CUDA graph, median device time."""
+"""Timing helpers shared by the kernel benchmarks: capture calls in one CUDA graph, median device time, the kernels
+of a replay as a timeline."""
 from __future__ import annotations
 
 import statistics
@@ -56,3 +57,34 @@ def measure_matmul_rate() -> float:
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     t = median_seconds(lambda: a @ b, 10)
     return 2 * n**3 / t
+
+
+def replay_kernels(graph: torch.cuda.CUDAGraph) -> list[dict]:
+    """The kernels of one replay of `graph` under torch.profiler, by start time: chrome-trace events with `name`,
+    `ts` (start, us) and `dur` (us)."""
+    import json
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/trace.json"
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+
+
+def timeline_lines(steps: list[list[dict]]) -> list[str]:
+    """One line a kernel of a step, `start end name` in us after the step's first kernel started, the mean over
+    `steps` (lists of the same kernels in the same order). The name is the kernel's function name (`*_kernel`) and
+    its template arguments, when it has them."""
+    import re
+    lines = []
+    for i, e in enumerate(steps[0]):
+        start = statistics.mean(c[i]["ts"] - c[0]["ts"] for c in steps)
+        end = statistics.mean(c[i]["ts"] + c[i]["dur"] - c[0]["ts"] for c in steps)
+        kernel = re.search(r"(\w+_kernel(<[^()]*>)?)", e["name"])
+        lines.append(f"    {start:7.1f} {end:7.1f}  {kernel.group(1) if kernel else e['name'][:60]}")
+    return lines

@@ -12,7 +12,9 @@ Each benchmark captures REPEATS steps in one CUDA graph; the time per step is th
     calls, and the pair op as two launches (DSV4RT_COMPRESSOR_PAIR=0);
   * swa: the sliding-ring write of the same two steps.
 Run: python -m pytest tests/bench/test_bench_cache_write.py --benchmark-only -s
-Each mode also prints the per-compressor breakdown (each alone).
+Each mode also prints the per-compressor breakdown (each alone). The prefill timeline benchmark prints when each
+kernel of the three starts and ends within a step (graph replay under torch.profiler, programmatic launches on, as
+the model runs): where a prefill step's time goes.
 With DSV4RT_BENCH_SWEEP=1, test_bench_compressor_sweep also times each compressor alone under a list of forced
 launch configurations (csrc/compressor.cu pick_config, pick_online and pick_bulk, through its DSV4RT_COMPRESSOR_*
 environment variables) at prefill (cycling input sets, so that rows come from memory, not L2) and decode, and the
@@ -29,7 +31,7 @@ import torch
 from dsv4rt.ops.compressor import compressor_update, compressor_update_pair, pair_args
 from dsv4rt.ops.kv_quant import QUANT_FP4, QUANT_FP8, QUANT_NONE, fp4_row_bytes, fp8_row_bytes
 from dsv4rt.ops.swa import swa_cache_write
-from graphtime import capture, median_seconds
+from graphtime import capture, median_seconds, replay_kernels, timeline_lines
 
 HEAD_DIM, INDEX_DIM, ROPE_DIM = 512, 128, 64   # Flash
 CSA_RATIO, HCA_RATIO, WINDOW = 4, 128, 128
@@ -183,6 +185,35 @@ def test_bench_compressor_update(benchmark, copy_bandwidth, mode, fmt, monkeypat
     target = " (target <= 10 us)" if mode == "decode" else ""
     print(f"{benchmark.name}: {benchmark.extra_info['us_per_step']:.2f} us for the three (CSA pair + HCA){target}; "
           f"{parts}")
+
+
+@pytest.mark.cuda
+def test_bench_compressor_prefill_timeline(benchmark, copy_bandwidth):
+    """The prefill step (fp8) as the model calls it: start and end of each kernel, in us after the step's first kernel
+    started, the mean over the middle steps of a graph of REPEATS["prefill"] steps, from torch.profiler's trace."""
+    g = torch.Generator().manual_seed(0)
+    step, nbytes, calls = _step_meta("prefill", g), 0, []
+    for name in COMPRESSORS:
+        args, meta = _compressor_args(name, step, "fp8", g)
+        calls.append((compressor_update, args))
+        nbytes += meta["bytes"]
+    pair = [(compressor_update_pair, pair_args(calls[0][1], calls[1][1])), calls[2]]
+    repeats = REPEATS["prefill"]
+    graph = _capture(pair, repeats)
+    per_step = median_seconds(graph.replay, ROUNDS) / repeats
+    events = replay_kernels(graph)
+    per = len(events) // repeats
+    assert per > 0 and len(events) == per * repeats, f"{len(events)} kernels in the trace for {repeats} steps"
+    steps = [events[i * per:(i + 1) * per] for i in range(repeats)]
+    names = [[e["name"] for e in st] for st in steps]
+    middle = [st for st, nm in zip(steps[4:-2], names[4:-2]) if nm == names[4]]  # the same kernels in the same order
+    lines = [f"prefill timeline on {torch.cuda.get_device_name()}: {per_step * 1e6:.2f} us/step, "
+             f"{nbytes / per_step / copy_bandwidth:.0%} of copy ({per} kernels a step; start / end us after the step's "
+             f"first kernel, mean of {len(middle)} steps)"]
+    lines += timeline_lines(middle)
+    print("\n" + "\n".join(lines))
+    benchmark.extra_info.update(device=torch.cuda.get_device_name(), us_per_step=per_step * 1e6, timeline=lines)
+    benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=2, warmup_rounds=1)
 
 
 @pytest.mark.cuda

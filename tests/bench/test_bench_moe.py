@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4rt.ops.moe import moe_experts, moe_gate, moe_route
-from graphtime import capture, median_seconds
+from graphtime import capture, median_seconds, replay_kernels, timeline_lines
 
 D, I, E, K = 4096, 2048, 256, 6
 SCALE, LIMIT = 1.5, 10.0
@@ -244,25 +244,13 @@ def test_bench_moe_timeline(benchmark, moe_weights, copy_bandwidth, variant, kno
     """Batch 1 with programmatic launches on (as the model runs): when each kernel of a call starts and ends,
     relative to the call's first kernel, averaged over the middle calls of a graph of 16 (input sets cycled), from
     torch.profiler's trace. Shows how long the routing chain (gate -> route -> plan) holds back the routed experts."""
-    import json
-    import re
-    import tempfile
-    from torch.profiler import ProfilerActivity, profile
     for k, v in KNOBS[knob].items():
         monkeypatch.setenv(k, v)
     sets, distinct = _inputs(1, moe_weights)
     repeats = 16
     graph, per_call = _time_call(_variant(variant, moe_weights), sets, repeats)
     floor = distinct * EXPERT_BYTES / copy_bandwidth
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = f"{tmp}/trace.json"
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"),
-                            key=lambda e: e["ts"])
+    events = replay_kernels(graph)
     # the call's first kernel: the gate, else the plan, or the up kernel of a one-token call without one
     plan = any("moe_plan" in e["name"] for e in events)
     first = "moe_gate" if variant == "fused" else ("moe_plan" if plan else "moe_up")
@@ -276,11 +264,7 @@ def test_bench_moe_timeline(benchmark, moe_weights, copy_bandwidth, variant, kno
     middle = calls[4:-2]
     lines = [f"T=    1 {variant:8s} {knob} timeline: {per_call * 1e6:.1f} us/call = {per_call / floor:.3f}x the "
              f"{distinct:.1f}-expert read (start / end us after the call's first kernel, mean of {len(middle)} calls)"]
-    for i, e in enumerate(middle[0]):
-        start = statistics.mean(c[i]["ts"] - c[0]["ts"] for c in middle)
-        end = statistics.mean(c[i]["ts"] + c[i]["dur"] - c[0]["ts"] for c in middle)
-        kernel = re.search(r"(\w+_kernel)", e["name"])
-        lines.append(f"    {start:7.1f} {end:7.1f}  {kernel.group(1) if kernel else e['name'][:60]}")
+    lines += timeline_lines(middle)
     RESULTS.extend(lines)
     print("\n" + "\n".join(lines))
     benchmark.extra_info.update(device=torch.cuda.get_device_name(), variant=variant, us_per_call=per_call * 1e6)
