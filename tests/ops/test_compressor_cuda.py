@@ -86,11 +86,20 @@ def _mixed(m: int) -> tuple[Seg, ...]:
             Seg(7, 2 * m, 2 * m))
 
 
+def _long(m: int) -> tuple[Seg, ...]:
+    # long chunks (many interior windows: the windows path's entries whose slots are all rows of the call): from 0 / a
+    # mid-window start after a PAD token (closing tokens inside the windows path's spans, not at their ends) / an
+    # aligned start. Fewer windows for large m (HCA).
+    n = 24 if m <= 8 else 3
+    return (Seg(0, 0, n * m + 1), Seg(1, 3 * m + 2, (n - 1) * m + 3), Seg(2, 5 * m, (n // 3) * m + 2))
+
+
 # name -> (segments for ratio m, indices of the segments before which a PAD token goes; len(segs): at the end)
 SCENARIOS: dict[str, tuple[Callable[[int], tuple[Seg, ...]], tuple[int, ...]]] = {
     "decode": (_decode, (2, 6)),
     "prefill": (_prefill, (6, 6)),
     "mixed": (_mixed, (1, 3, 5)),
+    "long": (_long, (1,)),
 }
 
 
@@ -377,18 +386,20 @@ def test_compressor_update_cuda_opcheck(comp):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("comp,windows", [("hca", "0"), ("csa_main", "0"), ("csa_main", "1")])
+@pytest.mark.parametrize("comp,windows", [("hca", "0"), ("csa_main", "0"), ("csa_main", "1"), ("csa_indexer", "1")])
 def test_compressor_update_cuda_graph_replay(comp, windows, monkeypatch, capture_graph):
-    """Captured once (HCA with its bulk grid forced on, CSA main with and without the windows path: two grids
-    ordered by programmatic dependent launch inside the graph); replays on new rows, states and block tables write
-    exactly what the eager op writes on the same inputs, byte for byte (the kernels are deterministic)."""
+    """Captured once (HCA with its bulk grid forced on, CSA main with and without the windows path, the indexer with
+    it: two grids ordered by programmatic dependent launch inside the graph; the windows path on the long scenario);
+    replays on new rows, states and block tables write exactly what the eager op writes on the same inputs, byte for
+    byte (the kernels are deterministic)."""
     monkeypatch.setenv("DSV4RT_COMPRESSOR_BULK", "1")
     monkeypatch.setenv("DSV4RT_COMPRESSOR_WINDOWS", windows)
     op = torch.ops.dsv4rt.compressor_update.default
-    static = list(compressor_inputs("cuda", comp, "prefill", "fp8", torch.bfloat16, seed=0).args)
+    scenario = "long" if windows == "1" else "prefill"
+    static = list(compressor_inputs("cuda", comp, scenario, "fp8", torch.bfloat16, seed=0).args)
     graph, _ = capture_graph(lambda: op(*static))
     for seed in (1, 2):
-        new = compressor_inputs("cuda", comp, "prefill", "fp8", torch.bfloat16, seed=seed).args
+        new = compressor_inputs("cuda", comp, scenario, "fp8", torch.bfloat16, seed=seed).args
         eager = [t.clone() if isinstance(t, Tensor) else t for t in new]
         for dst, src in zip(static, new):
             if isinstance(dst, Tensor):
