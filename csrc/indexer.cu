@@ -12,7 +12,9 @@
 //          token's q as N = 64 heads (B in shared memory); relu, weight and the sum over heads on the fp32
 //          accumulators (see "tensor-core scoring");
 //        * general (any dtype, fp32 arithmetic): CUDA cores, for the other shapes and dtypes.
-//   3. select (programmatic dependent launch after the scoring grid, DSV4RT_INDEXER_PDL=0 turns it off): every CTA
+//   3. select (programmatic dependent launch after the scoring grid, DSV4RT_INDEXER_PDL=0 turns it off). Few tokens
+//      of at most kSmallEntries entries (decode up to a 128K-token context): one CTA a token, its keys in shared
+//      memory ("one-CTA selection" below). Else the grid selection: every CTA
 //      finds from the histogram the bin b1 holding the k-th largest key; CTAs split each token's
 //      entries again; keys above bin b1 are emitted at once (they are in the top k), keys in bin b1 go to a
 //      candidate list (bounded; past it the full scratch is rescanned) and a histogram of their next 12 bits.
@@ -954,6 +956,129 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const IndexerArg
   for (int i = tid; i < a.topk; i += nt) out_row[i] = arr[i];
 }
 
+// ------------------------------------------------------------------------------------------ one-CTA selection
+// Tokens of at most kSmallEntries visible entries, when the tokens are few (decode at contexts up to 4 x
+// kSmallEntries): one CTA selects a token's top k with its keys in shared memory, so that every step is shared
+// memory work between block barriers (the grid selection's global histograms, lists, tickets and last-CTA pass take
+// about 12 us whatever the entry count). Digits of the composite c = key << 32 | ~index, as in the grid selection
+// (12, 12 and 8 bits of the key, then the bytes of ~index): level 0's histogram is the scoring grid's, staged while
+// the keys load; each further level counts the keys that match the digits found so far, until every key left in
+// the bin is in. The
+// selected entries set their bits in a bitmap of the token's entries, whose words, counted and scanned in order,
+// give each its output slot: ascending index order, as the grid selection's sort gives.
+constexpr int kSmallEntries = 32768;
+constexpr int kSmallThreads = 1024;
+constexpr int kSmallWords = kSmallEntries / 32;  // bitmap words: one a thread
+static_assert(kSmallWords == kSmallThreads, "one bitmap word a thread");
+
+__host__ __device__ inline size_t small_smem_bytes() {
+  return sizeof(uint32_t) * (kSmallEntries + kBins + kSmallWords + kScratchWords);
+}
+
+// Bits [digit_lo(L), digit_lo(L) + width) of the composite hold digit L (widths 12, 12, 8, 8, 8, 8, 8).
+__device__ __forceinline__ int digit_lo(int level) { return level == 0 ? 52 : (level == 1 ? 40 : 32 - 8 * (level - 2)); }
+
+__global__ void __launch_bounds__(kSmallThreads) select_small_kernel(const IndexerArgs a, const Ws ws,
+                                                                     const int64_t t0) {
+  extern __shared__ __align__(16) uint32_t sm_small[];
+  uint32_t* ks = sm_small;                 // [kSmallEntries] the token's keys
+  uint32_t* hist = ks + kSmallEntries;     // [kBins] (16-byte aligned)
+  uint32_t* bits = hist + kBins;           // [kSmallWords] selected entries
+  uint32_t* scratch = bits + kSmallWords;  // [kScratchWords]
+  const int tid = threadIdx.x, nt = kSmallThreads;
+  const int64_t tl = blockIdx.x, t = t0 + tl;
+  const Tok tok = token_info(a, t, ws.n_cap);  // step metadata: before the wait (launch.cuh)
+  bits[tid] = 0u;
+  pdl_wait();
+  int32_t* out_row = a.out + t * a.topk;
+  if (tok.nv <= a.topk) {  // all visible entries, in order, then -1
+    for (int j = tid; j < a.topk; j += nt) out_row[j] = j < tok.nv ? j : -1;
+    return;
+  }
+  const int n = static_cast<int>(tok.nv);  // <= kSmallEntries (launcher)
+  const uint32_t* keys = ws.keys + tl * ws.n_cap;
+  __syncthreads();
+  // the keys to shared memory (16-byte loads when the token's keys are 16-byte aligned), and level 0's histogram:
+  // the scoring grid's (its copies summed)
+  if ((reinterpret_cast<uintptr_t>(keys) & 15) == 0) {
+    constexpr int kPer = kSmallEntries / (4 * kSmallThreads);
+    uint4 v[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int j = 4 * (tid + i * nt);
+      v[i] = j < n ? __ldcg(reinterpret_cast<const uint4*>(keys + j)) : make_uint4(0, 0, 0, 0);
+    }
+    stage_hist<kBins, kSmallThreads, kHistCopies>(ws.hist1 + tl * kHistCopies * kBins, hist);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int j = 4 * (tid + i * nt);
+      if (j < n) reinterpret_cast<uint4*>(ks)[j / 4] = v[i];
+    }
+  } else {
+    for (int j = tid; j < n; j += nt) ks[j] = __ldcg(keys + j);
+    stage_hist<kBins, kSmallThreads, kHistCopies>(ws.hist1 + tl * kHistCopies * kBins, hist);
+  }
+  __syncthreads();
+
+  // the digits of the k-th largest composite, level by level
+  uint64_t prefix = 0;  // the digits found, in place
+  uint32_t need = static_cast<uint32_t>(a.topk);
+  int level = 0;
+  for (;; ++level) {
+    const int nb = level < 2 ? kBins : kDigitBins, lo_l = digit_lo(level);
+    const uint32_t mask = level < 2 ? 0xFFFu : 0xFFu;
+    if (level > 0) {
+      for (int b = tid; b < nb; b += nt) hist[b] = 0u;
+      __syncthreads();
+      const int plo = digit_lo(level - 1);
+      const uint64_t want = prefix >> plo;
+      if (level <= 2) {  // the digits so far and this one are the key's: 32-bit arithmetic
+        const uint32_t want32 = static_cast<uint32_t>(want);
+        for (int j = tid; j < n; j += nt) {
+          const uint32_t key = ks[j];
+          if ((key >> (plo - 32)) == want32) atomicAdd(hist + ((key >> (lo_l - 32)) & mask), 1u);
+        }
+      } else {
+        for (int j = tid; j < n; j += nt) {
+          const uint64_t c = (static_cast<uint64_t>(ks[j]) << 32) | ~static_cast<uint32_t>(j);
+          if ((c >> plo) == want) atomicAdd(hist + ((c >> lo_l) & mask), 1u);
+        }
+      }
+      __syncthreads();
+    }
+    uint32_t bin, above, count;
+    select_bin(hist, nb, need, scratch, bin, above, count);
+    prefix |= static_cast<uint64_t>(bin) << lo_l;
+    need -= above;
+    if (count == need || level == 6) break;
+  }
+
+  // every composite at or above the threshold (the digits found, lower bits zero) is in
+  const int lo_f = digit_lo(level);
+  const uint64_t thr = prefix >> lo_f;
+  if (lo_f >= 32) {  // the threshold's digits are the key's
+    const int sh = lo_f - 32;
+    const uint32_t thr32 = static_cast<uint32_t>(thr);
+    for (int j = tid; j < n; j += nt)
+      if ((ks[j] >> sh) >= thr32) atomicOr(bits + (j >> 5), 1u << (j & 31));
+  } else {
+    for (int j = tid; j < n; j += nt) {
+      const uint64_t c = (static_cast<uint64_t>(ks[j]) << 32) | ~static_cast<uint32_t>(j);
+      if ((c >> lo_f) >= thr) atomicOr(bits + (j >> 5), 1u << (j & 31));
+    }
+  }
+  __syncthreads();
+  uint32_t w = bits[tid];
+  const uint32_t cnt = __popc(w);
+  uint32_t off = block_inclusive_scan(cnt, scratch) - cnt;
+  while (w) {
+    const int b = __ffs(w) - 1;
+    w &= w - 1u;
+    if (off < static_cast<uint32_t>(a.topk)) out_row[off] = 32 * tid + b;
+    ++off;
+  }
+}
+
 // ------------------------------------------------------------------------------------------ host side
 int64_t n_cap_of(const IndexerArgs& a) { return a.bt_cols * a.per_block; }
 
@@ -1054,7 +1179,26 @@ cudaError_t launch_score(const IndexerArgs& a, const Ws& ws, int64_t t0, int64_t
   return cudaGetLastError();
 }
 
+// The one-CTA selection (select_small_kernel) for at most kSmallEntries entries a token when the tokens are few
+// (a CTA an SM at most); DSV4RT_INDEXER_SELECT (tests, comparisons): "grid" forces the grid selection, "small" the
+// one-CTA one wherever the entries fit.
+bool use_small_select(const IndexerArgs& a, int64_t g) {
+  if (n_cap_of(a) > kSmallEntries) return false;
+  const char* v = std::getenv("DSV4RT_INDEXER_SELECT");
+  if (v != nullptr && v[0] == 'g') return false;
+  if (v != nullptr && v[0] == 's') return true;
+  return g <= num_sms();
+}
+
 cudaError_t launch_select(const IndexerArgs& a, const Ws& ws, int64_t t0, int64_t g, cudaStream_t stream) {
+  if (use_small_select(a, g)) {
+    const size_t smem = small_smem_bytes();
+    cudaError_t err = cudaFuncSetAttribute(select_small_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+    return launch_ex(select_small_kernel, dim3(static_cast<unsigned>(g)), dim3(kSmallThreads), smem, stream, 1,
+                     pdl_enabled(), a, ws, t0);
+  }
   const size_t smem = select_smem_bytes(a.topk);
   cudaError_t err =
       cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));

@@ -7,6 +7,8 @@ one (any dtype, fp32 arithmetic; forced with DSV4RT_INDEXER_GENERAL=1). Every ch
   * the index set equals the reference's for every query whose k-th and (k+1)-th float64 scores differ by more
     than SCORE_TOL (relative to the query's score scale); at closer scores it is a valid top k within SCORE_TOL;
   * the output is sorted ascending and repeat calls are bit identical (ties at equal scores go to the smaller index).
+Two selection kernels: one CTA a query with its keys in shared memory (few queries of at most 32,768 entries) and
+the grid one; tests marked with the `select` fixture run both (DSV4RT_INDEXER_SELECT).
 Inputs: FP4 rows are real quantised rows of Hadamard-rotated keys and q is rotated and fake-quantised, as the model
 does; block tables hand each request shuffled blocks of a pool whose last block is the trash block.
 """
@@ -126,6 +128,12 @@ def check(got: torch.Tensor, args, ref_sets: bool = True) -> None:
             assert real == want, f"query {t}: index set differs from the reference"
 
 
+@pytest.fixture(params=["small", "grid"])
+def select(request, monkeypatch):
+    monkeypatch.setenv("DSV4RT_INDEXER_SELECT", request.param)
+    return request.param
+
+
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
     if request.param == "general":
@@ -156,7 +164,7 @@ def _lengths_tokens(lengths: list[int], n_pad: int) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "bf16"])
-def test_flash_lengths(fmt, path):
+def test_flash_lengths(fmt, path, select):
     # visible counts around the selection width, the 128-entry tile and the 32-entry block; one of many blocks
     k = FLASH["topk"]
     lengths = [0, 1, k - 1, k, k + 1, 127, 128, 129, 1000, 3001, 2 * k + 7]
@@ -165,7 +173,7 @@ def test_flash_lengths(fmt, path):
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "bf16"])
-def test_flash_prefill_chunk(fmt, path):
+def test_flash_prefill_chunk(fmt, path, select):
     # a prefill chunk of 40 tokens (visible 1000..1009) plus decodes of two other requests, 2 PAD tokens
     toks = [(0, 4000 + i) for i in range(40)] + [(1, 6001), (PAD_SLOT, 0), (2, 700), (PAD_SLOT, 0)]
     args = make_inputs(toks, fmt, **FLASH, seed=1)
@@ -181,7 +189,7 @@ def test_tiny_dims(fmt, q_dtype, path):
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "bf16"])
-def test_pro_topk(fmt):
+def test_pro_topk(fmt, select):
     dims = dict(FLASH, topk=1024)
     args = make_inputs(_lengths_tokens([1023, 1024, 1025, 5000], 1), fmt, **dims, seed=3)
     check(run_poisoned(args), args)
@@ -213,7 +221,7 @@ def test_concentrated_scores():
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "bf16"])
-def test_equal_scores_take_smallest_indices(fmt, path):
+def test_equal_scores_take_smallest_indices(fmt, path, select):
     # every key equal: every score ties, the k smallest indices are chosen
     args = make_inputs([(0, RATIO * 3000 - 1), (1, RATIO * 600 + 1)], fmt, **FLASH, seed=6,
                        key_fn=lambda gen, n, d: torch.randn(1, d, generator=gen).expand(n, d).clone())
@@ -254,14 +262,14 @@ def test_fp4_copy_paths_agree(head_dim, monkeypatch):
     assert torch.equal(run_poisoned(args), bulk)
 
 
-def test_deterministic():
+def test_deterministic(select):
     args = make_inputs(_lengths_tokens([600, 5000, 20000], 1), "fp4", **FLASH, seed=8)
     a, b = run_poisoned(args), run_poisoned(args)
     assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "bf16"])
-def test_graph_replay_new_inputs(fmt, capture_graph):
+def test_graph_replay_new_inputs(fmt, capture_graph, select):
     # capture once, then change positions, slots, block table, keys, q and weights in place: the replay equals
     # the reference on the new inputs (no host-side planning is baked into the graph)
     toks = [(0, RATIO * 3000 - 1), (1, RATIO * 3000 - 5), (PAD_SLOT, 0)]
@@ -288,7 +296,7 @@ def test_opcheck_flash():
 
 
 @pytest.mark.parametrize("per_block", [32, 8])
-def test_many_tiles_per_cta(per_block):
+def test_many_tiles_per_cta(per_block, select):
     # 60 queries of ~20,000 visible entries: 8 scoring CTAs a query, each with ~39 tiles of 64 entries (the raw-row
     # ring wraps many times); per_block 8: a warp's 16 rows span two blocks
     dims = dict(n_heads=64, head_dim=64, topk=64, per_block=per_block)
