@@ -2,11 +2,11 @@
 // score[j] = sum_h w[h] * relu(q[h] . k_j) for j < (p+1) // ratio, and keep the top k (-1 padded, fixed width).
 //
 // One launch sequence per group of tokens (the group keeps the score scratch [G, n_cap] bounded):
-//   1. memset of the group's histograms and counters;
+//   1. memset of the group's histograms and counters (not with the one-CTA selection, which needs neither);
 //   2. score: CTAs split each token's visible entries into tiles; every score is written as an order-preserving
-//      uint32 key to the scratch and counted in a 4096-bin histogram of its top 12 bits (CTA c of a token adds
-//      into copy c mod 4 of it: scores crowd into a few bins, and one copy had every CTA adding to the same
-//      words; the select sums the copies). Two implementations:
+//      uint32 key to the scratch and, for the grid selection, counted in a 4096-bin histogram of its top 12 bits
+//      (CTA c of a token adds into copy c mod 4 of it: scores crowd into a few bins, and one copy had every CTA
+//      adding to the same words; the select sums the copies). Two implementations:
 //        * tensor cores (sm_90a, bf16 q, bf16 or FP4 keys, <= 64 heads, head dim 64 or 128): wgmma with the
 //          tile's 64 entries as M (A in registers, decoded by each lane from raw rows its warp cp.asyncs) and the
 //          token's q as N = 64 heads (B in shared memory); relu, weight and the sum over heads on the fp32
@@ -514,7 +514,7 @@ __device__ __forceinline__ void wg_epilogue(const float (&d)[32], const float* w
   if (t < 2 && j < nv) {
     const uint32_t key = order_key(t == 0 ? s0 : s1);
     keys[j] = key;
-    atomicAdd(hist + (key >> 20), 1u);
+    if (hist != nullptr) atomicAdd(hist + (key >> 20), 1u);
   }
 }
 #endif  // sm_90a
@@ -536,7 +536,10 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
   const int c = static_cast<int>(blockIdx.x % ctas);
   const Tok tok = token_info(a, t, ws.n_cap);
   if (tok.nv <= a.topk) return;  // every visible entry is selected: nothing to score
-  for (int b = tid; b < kBins; b += 128) hist[b] = 0;
+  const bool counts = ws.hist1 != nullptr;  // else the one-CTA selection builds its own histogram
+  if (counts)
+    for (int b = tid; b < kBins; b += 128) hist[b] = 0;
+  uint32_t* const hist_or_null = counts ? hist : nullptr;
   const int nv = static_cast<int>(tok.nv);  // < 2^31 (use_tensor_cores)
   const int64_t n_tiles = (tok.nv + kWgTile - 1) / kWgTile;
   const int tb = static_cast<int>(n_tiles * c / ctas);
@@ -616,17 +619,17 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
     wgmma_wait0();
     fence_regs(d);
     w.retire();
-    if (i > 0) wg_epilogue(d, wv, keys, nv, (tb + i - 1) * kWgTile, hist);
+    if (i > 0) wg_epilogue(d, wv, keys, nv, (tb + i - 1) * kWgTile, hist_or_null);
     w.decode(seg(i), g, t4);  // bf16: reads stage i, which is refilled only at step i + 1 (after its __syncwarp)
     w.issue(d, desc0);
   }
   wgmma_wait0();
   fence_regs(d);
   w.retire();
-  if (n > 0) wg_epilogue(d, wv, keys, nv, (tb + n - 1) * kWgTile, hist);
+  if (n > 0) wg_epilogue(d, wv, keys, nv, (tb + n - 1) * kWgTile, hist_or_null);
   if (!BULK) cp_async_wait<0>();  // (BULK: every run copied was waited for)
   pdl_launch_dependents();  // the select grid may be scheduled (it waits for this grid's completion)
-  flush_hist<128>(ws, tl, c, hist);
+  if (counts) flush_hist<128>(ws, tl, c, hist);
 #endif
 }
 
@@ -668,7 +671,9 @@ __global__ void __launch_bounds__(kSimtThreads) score_simt_kernel(const IndexerA
   const int c = static_cast<int>(blockIdx.x % ctas);
   const Tok tok = token_info(a, t, ws.n_cap);
   if (tok.nv <= a.topk) return;
-  for (int b = tid; b < kBins; b += blockDim.x) hist[b] = 0;
+  const bool counts = ws.hist1 != nullptr;  // else the one-CTA selection builds its own histogram
+  if (counts)
+    for (int b = tid; b < kBins; b += blockDim.x) hist[b] = 0;
   for (int i = tid; i < nh * di; i += blockDim.x) q_s[i] = load_value(a.q, t * nh * di + i, a.q_dtype);
   for (int i = tid; i < nh; i += blockDim.x) w_s[i] = a.weights[t * nh + i];
 
@@ -711,11 +716,11 @@ __global__ void __launch_bounds__(kSimtThreads) score_simt_kernel(const IndexerA
       for (int i = 0; i < 8; ++i) s += part[i * kSimtTile + tid];
       const uint32_t key = order_key(s);
       ws.keys[tl * ws.n_cap + j0 + tid] = key;
-      atomicAdd(hist + (key >> 20), 1u);
+      if (counts) atomicAdd(hist + (key >> 20), 1u);
     }
   }
   pdl_launch_dependents();
-  flush_hist<kSimtThreads>(ws, tl, c, hist);
+  if (counts) flush_hist<kSimtThreads>(ws, tl, c, hist);
 }
 
 // ------------------------------------------------------------------------------------------ selection
@@ -961,9 +966,9 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const IndexerArg
 // kSmallEntries): one CTA selects a token's top k with its keys in shared memory, so that every step is shared
 // memory work between block barriers (the grid selection's global histograms, lists, tickets and last-CTA pass take
 // about 12 us whatever the entry count). Digits of the composite c = key << 32 | ~index, as in the grid selection
-// (12, 12 and 8 bits of the key, then the bytes of ~index): level 0's histogram is the scoring grid's, staged while
-// the keys load; each further level counts the keys that match the digits found so far, until every key left in
-// the bin is in. The
+// (12, 12 and 8 bits of the key, then the bytes of ~index): level 0's histogram is counted as the keys load (the
+// scoring grid then keeps none, and the call needs no zeroed workspace: no memset), each further level counts the
+// keys that match the digits found so far, until every key left in the bin is in. The
 // selected entries set their bits in a bitmap of the token's entries, whose words, counted and scanned in order,
 // give each its output slot: ascending index order, as the grid selection's sort gives.
 constexpr int kSmallEntries = 32768;
@@ -988,6 +993,7 @@ __global__ void __launch_bounds__(kSmallThreads) select_small_kernel(const Index
   const int tid = threadIdx.x, nt = kSmallThreads;
   const int64_t tl = blockIdx.x, t = t0 + tl;
   const Tok tok = token_info(a, t, ws.n_cap);  // step metadata: before the wait (launch.cuh)
+  for (int b = tid; b < kBins; b += nt) hist[b] = 0u;
   bits[tid] = 0u;
   pdl_wait();
   int32_t* out_row = a.out + t * a.topk;
@@ -998,8 +1004,8 @@ __global__ void __launch_bounds__(kSmallThreads) select_small_kernel(const Index
   const int n = static_cast<int>(tok.nv);  // <= kSmallEntries (launcher)
   const uint32_t* keys = ws.keys + tl * ws.n_cap;
   __syncthreads();
-  // the keys to shared memory (16-byte loads when the token's keys are 16-byte aligned), and level 0's histogram:
-  // the scoring grid's (its copies summed)
+  // the keys to shared memory (16-byte loads when the token's keys are 16-byte aligned), counted into level 0's
+  // histogram as they arrive
   if ((reinterpret_cast<uintptr_t>(keys) & 15) == 0) {
     constexpr int kPer = kSmallEntries / (4 * kSmallThreads);
     uint4 v[kPer];
@@ -1008,15 +1014,23 @@ __global__ void __launch_bounds__(kSmallThreads) select_small_kernel(const Index
       const int j = 4 * (tid + i * nt);
       v[i] = j < n ? __ldcg(reinterpret_cast<const uint4*>(keys + j)) : make_uint4(0, 0, 0, 0);
     }
-    stage_hist<kBins, kSmallThreads, kHistCopies>(ws.hist1 + tl * kHistCopies * kBins, hist);
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int j = 4 * (tid + i * nt);
-      if (j < n) reinterpret_cast<uint4*>(ks)[j / 4] = v[i];
+      if (j < n) {
+        reinterpret_cast<uint4*>(ks)[j / 4] = v[i];
+        const uint32_t k4[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (j + e < n) atomicAdd(hist + (k4[e] >> 20), 1u);
+      }
     }
   } else {
-    for (int j = tid; j < n; j += nt) ks[j] = __ldcg(keys + j);
-    stage_hist<kBins, kSmallThreads, kHistCopies>(ws.hist1 + tl * kHistCopies * kBins, hist);
+    for (int j = tid; j < n; j += nt) {
+      const uint32_t key = __ldcg(keys + j);
+      ks[j] = key;
+      atomicAdd(hist + (key >> 20), 1u);
+    }
   }
   __syncthreads();
 
@@ -1249,10 +1263,13 @@ cudaError_t indexer_topk_launch(const IndexerArgs& a, cudaStream_t stream) {
   ws.n_cap = n_cap;
   for (int64_t t0 = 0; t0 < a.n_tokens; t0 += g_max) {
     const int64_t g = a.n_tokens - t0 < g_max ? a.n_tokens - t0 : g_max;
-    cudaError_t err = cudaMemsetAsync(w + l.zero, 0, l.zero_bytes, stream);
+    const bool small = use_small_select(a, g);  // no histograms, counters or lists: nothing to zero
+    cudaError_t err = small ? cudaSuccess : cudaMemsetAsync(w + l.zero, 0, l.zero_bytes, stream);
     if (err != cudaSuccess) return err;
     if (n_cap > 0) {
-      err = launch_score(a, ws, t0, g, stream);
+      Ws sws = ws;
+      if (small) sws.hist1 = nullptr;  // the scoring grids keep no histogram
+      err = launch_score(a, sws, t0, g, stream);
       if (err != cudaSuccess) return err;
     }
     err = launch_select(a, ws, t0, g, stream);
