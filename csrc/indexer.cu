@@ -2,7 +2,8 @@
 // score[j] = sum_h w[h] * relu(q[h] . k_j) for j < (p+1) // ratio, and keep the top k (-1 padded, fixed width).
 //
 // One launch sequence per group of tokens (the group keeps the score scratch [G, n_cap] bounded):
-//   1. memset of the group's histograms and counters (not with the one-CTA selection, which needs neither);
+//   1. memset of the group's histograms and counters (unless every token fits the one-CTA selection, which needs
+//      neither);
 //   2. score: CTAs split each token's visible entries into tiles; every score is written as an order-preserving
 //      uint32 key to the scratch and, for the grid selection, counted in a 4096-bin histogram of its top 12 bits
 //      (CTA c of a token adds into copy c mod 4 of it: scores crowd into a few bins, and one copy had every CTA
@@ -12,9 +13,9 @@
 //          token's q as N = 64 heads (B in shared memory); relu, weight and the sum over heads on the fp32
 //          accumulators (see "tensor-core scoring");
 //        * general (any dtype, fp32 arithmetic): CUDA cores, for the other shapes and dtypes.
-//   3. select (programmatic dependent launch after the scoring grid, DSV4RT_INDEXER_PDL=0 turns it off). Few tokens
-//      of at most kSmallEntries entries (decode up to a 128K-token context): one CTA a token, its keys in shared
-//      memory ("one-CTA selection" below). Else the grid selection: every CTA
+//   3. select (programmatic dependent launch after the scoring grid, DSV4RT_INDEXER_PDL=0 turns it off). In groups
+//      of few tokens, those of at most kSmallEntries visible entries (decode up to a 128K-token context): one CTA a
+//      token, its keys in shared memory ("one-CTA selection" below). The others, the grid selection: every CTA
 //      finds from the histogram the bin b1 holding the k-th largest key; CTAs split each token's
 //      entries again; keys above bin b1 are emitted at once (they are in the top k), keys in bin b1 go to a
 //      candidate list (bounded; past it the full scratch is rescanned) and a histogram of their next 12 bits.
@@ -57,6 +58,7 @@ struct Ws {
   uint32_t* hist2;  // [G, kBins] next 12 bits, keys in bin b1 only
   uint32_t* ctr;    // [G, kCtrWords]
   int64_t n_cap;
+  int64_t small_max;  // tokens of at most this many visible entries are the one-CTA selection's (0: none)
 };
 
 struct Tok {
@@ -536,7 +538,7 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
   const int c = static_cast<int>(blockIdx.x % ctas);
   const Tok tok = token_info(a, t, ws.n_cap);
   if (tok.nv <= a.topk) return;  // every visible entry is selected: nothing to score
-  const bool counts = ws.hist1 != nullptr;  // else the one-CTA selection builds its own histogram
+  const bool counts = tok.nv > ws.small_max;  // else the one-CTA selection builds its own histogram
   if (counts)
     for (int b = tid; b < kBins; b += 128) hist[b] = 0;
   uint32_t* const hist_or_null = counts ? hist : nullptr;
@@ -671,7 +673,7 @@ __global__ void __launch_bounds__(kSimtThreads) score_simt_kernel(const IndexerA
   const int c = static_cast<int>(blockIdx.x % ctas);
   const Tok tok = token_info(a, t, ws.n_cap);
   if (tok.nv <= a.topk) return;
-  const bool counts = ws.hist1 != nullptr;  // else the one-CTA selection builds its own histogram
+  const bool counts = tok.nv > ws.small_max;  // else the one-CTA selection builds its own histogram
   if (counts)
     for (int b = tid; b < kBins; b += blockDim.x) hist[b] = 0;
   for (int i = tid; i < nh * di; i += blockDim.x) q_s[i] = load_value(a.q, t * nh * di + i, a.q_dtype);
@@ -773,7 +775,14 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const IndexerArg
   const int tid = threadIdx.x, nt = kSelectThreads;
   const int64_t tl = blockIdx.x / ctas, t = t0 + tl;
   const int c = static_cast<int>(blockIdx.x % ctas);
+  // With the one-CTA selection behind this grid, that grid's CTAs may be scheduled at once: they wait for this
+  // grid's completion (pdl_wait) before they touch memory, and are resident by then.
+  if (ws.small_max > 0) pdl_launch_dependents();
   const Tok tok = token_info(a, t, ws.n_cap);  // step metadata: before the wait (launch.cuh)
+  if (ws.small_max > 0 && tok.nv <= ws.small_max) {  // the one-CTA selection's token: this grid ends after the scoring
+    if (blockIdx.x == 0) pdl_wait();
+    return;
+  }
   pdl_wait();  // before any other global access: the scoring grid (or whatever ran before) has completed
   const uint32_t topk = static_cast<uint32_t>(a.topk);
   int32_t* out_row = a.out + t * a.topk;
@@ -962,13 +971,13 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const IndexerArg
 }
 
 // ------------------------------------------------------------------------------------------ one-CTA selection
-// Tokens of at most kSmallEntries visible entries, when the tokens are few (decode at contexts up to 4 x
-// kSmallEntries): one CTA selects a token's top k with its keys in shared memory, so that every step is shared
+// Tokens of at most kSmallEntries visible entries, in groups of few tokens (decode at contexts up to 4 x
+// kSmallEntries, whatever the block table's width): one CTA selects a token's top k with its keys in shared memory, so that every step is shared
 // memory work between block barriers (the grid selection's global histograms, lists, tickets and last-CTA pass take
 // about 12 us whatever the entry count). Digits of the composite c = key << 32 | ~index, as in the grid selection
 // (12, 12 and 8 bits of the key, then the bytes of ~index): level 0's histogram is counted as the keys load (the
-// scoring grid then keeps none, and the call needs no zeroed workspace: no memset), each further level counts the
-// keys that match the digits found so far, until every key left in the bin is in. The
+// scoring grid keeps none for these tokens), each further level counts the keys that match the digits found so far,
+// until every key left in the bin is in. The
 // selected entries set their bits in a bitmap of the token's entries, whose words, counted and scanned in order,
 // give each its output slot: ascending index order, as the grid selection's sort gives.
 constexpr int kSmallEntries = 32768;
@@ -993,6 +1002,10 @@ __global__ void __launch_bounds__(kSmallThreads) select_small_kernel(const Index
   const int tid = threadIdx.x, nt = kSmallThreads;
   const int64_t tl = blockIdx.x, t = t0 + tl;
   const Tok tok = token_info(a, t, ws.n_cap);  // step metadata: before the wait (launch.cuh)
+  if (tok.nv > ws.small_max) {  // the grid selection's token (done before this grid); it ends after that one
+    if (blockIdx.x == 0) pdl_wait();
+    return;
+  }
   for (int b = tid; b < kBins; b += nt) hist[b] = 0u;
   bits[tid] = 0u;
   pdl_wait();
@@ -1001,7 +1014,7 @@ __global__ void __launch_bounds__(kSmallThreads) select_small_kernel(const Index
     for (int j = tid; j < a.topk; j += nt) out_row[j] = j < tok.nv ? j : -1;
     return;
   }
-  const int n = static_cast<int>(tok.nv);  // <= kSmallEntries (launcher)
+  const int n = static_cast<int>(tok.nv);  // <= small_max <= kSmallEntries
   const uint32_t* keys = ws.keys + tl * ws.n_cap;
   __syncthreads();
   // the keys to shared memory (16-byte loads when the token's keys are 16-byte aligned), counted into level 0's
@@ -1193,26 +1206,29 @@ cudaError_t launch_score(const IndexerArgs& a, const Ws& ws, int64_t t0, int64_t
   return cudaGetLastError();
 }
 
-// The one-CTA selection (select_small_kernel) for at most kSmallEntries entries a token when the tokens are few
-// (a CTA an SM at most); DSV4RT_INDEXER_SELECT (tests, comparisons): "grid" forces the grid selection, "small" the
-// one-CTA one wherever the entries fit.
-bool use_small_select(const IndexerArgs& a, int64_t g) {
-  if (n_cap_of(a) > kSmallEntries) return false;
+// The one-CTA selection (select_small_kernel) takes the tokens of at most kSmallEntries visible entries when a group
+// has at most as many tokens as SMs (decode); the grid selection the others. When every token fits (the block table
+// holds at most kSmallEntries entries), the one-CTA selection alone runs, and the call needs no memset; else the
+// grid selection runs first and the one-CTA selection after it, each leaving the other's tokens (which are which is
+// known on the device only). DSV4RT_INDEXER_SELECT (tests, comparisons): "grid" turns the one-CTA selection off,
+// "small" on whatever the group's size.
+int64_t small_max_of(const IndexerArgs& a, int64_t g) {
   const char* v = std::getenv("DSV4RT_INDEXER_SELECT");
-  if (v != nullptr && v[0] == 'g') return false;
-  if (v != nullptr && v[0] == 's') return true;
-  return g <= num_sms();
+  if (v != nullptr && v[0] == 'g') return 0;
+  if ((v != nullptr && v[0] == 's') || g <= num_sms()) return kSmallEntries;
+  return 0;
+}
+
+cudaError_t launch_small_select(const IndexerArgs& a, const Ws& ws, int64_t t0, int64_t g, cudaStream_t stream) {
+  const size_t smem = small_smem_bytes();
+  cudaError_t err = cudaFuncSetAttribute(select_small_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  return launch_ex(select_small_kernel, dim3(static_cast<unsigned>(g)), dim3(kSmallThreads), smem, stream, 1,
+                   pdl_enabled(), a, ws, t0);
 }
 
 cudaError_t launch_select(const IndexerArgs& a, const Ws& ws, int64_t t0, int64_t g, cudaStream_t stream) {
-  if (use_small_select(a, g)) {
-    const size_t smem = small_smem_bytes();
-    cudaError_t err = cudaFuncSetAttribute(select_small_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
-    return launch_ex(select_small_kernel, dim3(static_cast<unsigned>(g)), dim3(kSmallThreads), smem, stream, 1,
-                     pdl_enabled(), a, ws, t0);
-  }
   const size_t smem = select_smem_bytes(a.topk);
   cudaError_t err =
       cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
@@ -1263,17 +1279,23 @@ cudaError_t indexer_topk_launch(const IndexerArgs& a, cudaStream_t stream) {
   ws.n_cap = n_cap;
   for (int64_t t0 = 0; t0 < a.n_tokens; t0 += g_max) {
     const int64_t g = a.n_tokens - t0 < g_max ? a.n_tokens - t0 : g_max;
-    const bool small = use_small_select(a, g);  // no histograms, counters or lists: nothing to zero
-    cudaError_t err = small ? cudaSuccess : cudaMemsetAsync(w + l.zero, 0, l.zero_bytes, stream);
+    ws.small_max = small_max_of(a, g);
+    const bool grid = n_cap > ws.small_max;  // some token may need the grid selection
+    // the grid selection's histograms, lists and counters start at zero (the one-CTA selection needs none)
+    cudaError_t err = grid ? cudaMemsetAsync(w + l.zero, 0, l.zero_bytes, stream) : cudaSuccess;
     if (err != cudaSuccess) return err;
     if (n_cap > 0) {
-      Ws sws = ws;
-      if (small) sws.hist1 = nullptr;  // the scoring grids keep no histogram
-      err = launch_score(a, sws, t0, g, stream);
+      err = launch_score(a, ws, t0, g, stream);
       if (err != cudaSuccess) return err;
     }
-    err = launch_select(a, ws, t0, g, stream);
-    if (err != cudaSuccess) return err;
+    if (grid) {
+      err = launch_select(a, ws, t0, g, stream);
+      if (err != cudaSuccess) return err;
+    }
+    if (ws.small_max > 0) {
+      err = launch_small_select(a, ws, t0, g, stream);
+      if (err != cudaSuccess) return err;
+    }
   }
   return cudaSuccess;
 }

@@ -7,8 +7,9 @@ one (any dtype, fp32 arithmetic; forced with DSV4RT_INDEXER_GENERAL=1). Every ch
   * the index set equals the reference's for every query whose k-th and (k+1)-th float64 scores differ by more
     than SCORE_TOL (relative to the query's score scale); at closer scores it is a valid top k within SCORE_TOL;
   * the output is sorted ascending and repeat calls are bit identical (ties at equal scores go to the smaller index).
-Two selection kernels: one CTA a query with its keys in shared memory (few queries of at most 32,768 entries) and
-the grid one; tests marked with the `select` fixture run both (DSV4RT_INDEXER_SELECT).
+Two selection kernels: one CTA a query with its keys in shared memory (queries of at most 32,768 entries in calls of
+few queries) and the grid one; tests marked with the `select` fixture run with the one-CTA selection on and off
+(DSV4RT_INDEXER_SELECT).
 Inputs: FP4 rows are real quantised rows of Hadamard-rotated keys and q is rotated and fake-quantised, as the model
 does; block tables hand each request shuffled blocks of a pool whose last block is the trash block.
 """
@@ -196,10 +197,20 @@ def test_pro_topk(fmt, select):
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "bf16"])
-def test_long_context(fmt):
-    # 40,000 visible entries: many CTAs per query in both kernels
+def test_long_context(fmt, select):
+    # 40,000 visible entries: many CTAs per query in both kernels; with the one-CTA selection on, the query of 20,000
+    # entries takes it and the other the grid selection, in the same call
     args = make_inputs([(0, RATIO * 40000 - 1), (1, RATIO * 20000 + 2)], fmt, **FLASH, seed=4)
     check(run_poisoned(args), args)
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "bf16"])
+def test_short_queries_wide_table(fmt, select):
+    # a block table wide enough for 40,000 entries (a runtime's max_context), every query far shorter: with the
+    # one-CTA selection on, the grid selection runs and leaves every query to it
+    args = list(make_inputs([(0, RATIO * 40000 - 1), (1, RATIO * 3000 + 2)], fmt, **FLASH, seed=14))
+    args[4] = torch.tensor([RATIO * 1500 + 1, RATIO * 3000 + 2], dtype=torch.int32, device="cuda")
+    check(run_poisoned(tuple(args)), tuple(args))
 
 
 def near_equal_keys(gen, n, d):
