@@ -972,14 +972,14 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const IndexerArg
 
 // ------------------------------------------------------------------------------------------ one-CTA selection
 // Tokens of at most kSmallEntries visible entries, in groups of few tokens (decode at contexts up to 4 x
-// kSmallEntries, whatever the block table's width): one CTA selects a token's top k with its keys in shared memory, so that every step is shared
-// memory work between block barriers (the grid selection's global histograms, lists, tickets and last-CTA pass take
-// about 12 us whatever the entry count). Digits of the composite c = key << 32 | ~index, as in the grid selection
-// (12, 12 and 8 bits of the key, then the bytes of ~index): level 0's histogram is counted as the keys load (the
-// scoring grid keeps none for these tokens), each further level counts the keys that match the digits found so far,
-// until every key left in the bin is in. The
-// selected entries set their bits in a bitmap of the token's entries, whose words, counted and scanned in order,
-// give each its output slot: ascending index order, as the grid selection's sort gives.
+// kSmallEntries, whatever the block table's width): one CTA selects a token's top k with its keys in shared memory,
+// so that every step is shared-memory work between block barriers (the grid selection's global histograms, lists,
+// tickets and last-CTA pass take about 12 us whatever the entry count). Digits of the composite
+// c = key << 32 | ~index, as in the grid selection (12, 12 and 8 bits of the key, then the bytes of ~index): level
+// 0's histogram is counted as the keys load (the scoring grid keeps none for these tokens), each further level
+// counts the keys that match the digits found so far, until every key left in the bin is in. The selected entries
+// set their bits in a bitmap of the token's entries, whose words, counted and scanned in order, give each its
+// output slot: ascending index order, as the grid selection's sort gives.
 constexpr int kSmallEntries = 32768;
 constexpr int kSmallThreads = 1024;
 constexpr int kSmallWords = kSmallEntries / 32;  // bitmap words: one a thread
@@ -990,7 +990,9 @@ __host__ __device__ inline size_t small_smem_bytes() {
 }
 
 // Bits [digit_lo(L), digit_lo(L) + width) of the composite hold digit L (widths 12, 12, 8, 8, 8, 8, 8).
-__device__ __forceinline__ int digit_lo(int level) { return level == 0 ? 52 : (level == 1 ? 40 : 32 - 8 * (level - 2)); }
+__device__ __forceinline__ int digit_lo(int level) {
+  return level == 0 ? 52 : (level == 1 ? 40 : 32 - 8 * (level - 2));
+}
 
 __global__ void __launch_bounds__(kSmallThreads) select_small_kernel(const IndexerArgs a, const Ws ws,
                                                                      const int64_t t0) {
