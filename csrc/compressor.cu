@@ -42,6 +42,7 @@
 // runs; every grid waits for the previous one's completion (griddepcontrol.wait) before it touches memory.
 #include <cmath>
 #include <cstdlib>
+#include <type_traits>
 
 #include "compressor.h"
 #include "async_copy.cuh"
@@ -1777,12 +1778,15 @@ template <typename OutT, int QUANT>
 auto windows_kernel(const CompressorArgs& a) {
   constexpr bool kFp4 = QUANT == kQuantFp4 || QUANT == kQuantFp4Sim;
   const bool csa = a.ratio == kCsaRatio;  // (c == 2 and d == 4 QD: windows_ok)
-  if constexpr (kFp4) {
-    return csa ? compressor_windows_kernel<OutT, QUANT, 32, kCsaRatio> : compressor_windows_kernel<OutT, QUANT, 32, 0>;
+  // the instance for team size QD: the CSA shape's, else the general one
+  auto pick = [csa](auto qd) {
+    constexpr int QD = decltype(qd)::value;
+    return csa ? compressor_windows_kernel<OutT, QUANT, QD, kCsaRatio> : compressor_windows_kernel<OutT, QUANT, QD, 0>;
+  };
+  if constexpr (kFp4) {  // d = 128 (windows_ok)
+    return pick(std::integral_constant<int, 32>{});
   } else {
-    if (a.d == 128)
-      return csa ? compressor_windows_kernel<OutT, QUANT, 32, kCsaRatio> : compressor_windows_kernel<OutT, QUANT, 32, 0>;
-    return csa ? compressor_windows_kernel<OutT, QUANT, 128, kCsaRatio> : compressor_windows_kernel<OutT, QUANT, 128, 0>;
+    return a.d == 128 ? pick(std::integral_constant<int, 32>{}) : pick(std::integral_constant<int, 128>{});
   }
 }
 
