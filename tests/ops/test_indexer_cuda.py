@@ -213,6 +213,16 @@ def test_short_queries_wide_table(fmt, select):
     check(run_poisoned(tuple(args)), tuple(args))
 
 
+@pytest.mark.parametrize("fmt", ["fp4", "bf16"])
+def test_unaligned_key_rows(fmt, select):
+    # 2-entry blocks and an odd table width (351 blocks, 702 entry slots a query): the second query's scores start
+    # 8 bytes past a 16-byte boundary, so the one-CTA selection loads them one word at a time
+    dims = dict(FLASH, per_block=2)
+    args = make_inputs([(0, RATIO * 701 - 1), (1, RATIO * 650 + 1)], fmt, **dims, seed=15)
+    assert args[5].shape[1] == 351
+    check(run_poisoned(args), args)
+
+
 def near_equal_keys(gen, n, d):
     """One shared key plus noise of about one bf16 step: distinct, tightly clustered scores."""
     return torch.randn(1, d, generator=gen) + 1e-2 * torch.randn(n, d, generator=gen)
