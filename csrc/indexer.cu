@@ -538,14 +538,15 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
   const int c = static_cast<int>(blockIdx.x % ctas);
   const Tok tok = token_info(a, t, ws.n_cap);
   if (tok.nv <= a.topk) return;  // every visible entry is selected: nothing to score
-  const bool counts = tok.nv > ws.small_max;  // else the one-CTA selection builds its own histogram
-  if (counts)
-    for (int b = tid; b < kBins; b += 128) hist[b] = 0;
-  uint32_t* const hist_or_null = counts ? hist : nullptr;
   const int nv = static_cast<int>(tok.nv);  // < 2^31 (use_tensor_cores)
   const int64_t n_tiles = (tok.nv + kWgTile - 1) / kWgTile;
   const int tb = static_cast<int>(n_tiles * c / ctas);
   const int n = static_cast<int>(n_tiles * (c + 1) / ctas - tb);
+  if (n == 0) return;  // no tile (a token far shorter than the block table): nothing to stage, count or flush
+  const bool counts = tok.nv > ws.small_max;  // else the one-CTA selection builds its own histogram
+  if (counts)
+    for (int b = tid; b < kBins; b += 128) hist[b] = 0;
+  uint32_t* const hist_or_null = counts ? hist : nullptr;
 
   // q^T into shared memory (row = head, k order of the operands), zero heads past n_heads: 16-byte loads, all
   // in flight, then each pair of elements that share a register to its k position
@@ -673,14 +674,14 @@ __global__ void __launch_bounds__(kSimtThreads) score_simt_kernel(const IndexerA
   const int c = static_cast<int>(blockIdx.x % ctas);
   const Tok tok = token_info(a, t, ws.n_cap);
   if (tok.nv <= a.topk) return;
+  const int64_t n_tiles = (tok.nv + kSimtTile - 1) / kSimtTile;
+  const int64_t tb = n_tiles * c / ctas, te = n_tiles * (c + 1) / ctas;
+  if (tb == te) return;  // no tile (a token far shorter than the block table)
   const bool counts = tok.nv > ws.small_max;  // else the one-CTA selection builds its own histogram
   if (counts)
     for (int b = tid; b < kBins; b += blockDim.x) hist[b] = 0;
   for (int i = tid; i < nh * di; i += blockDim.x) q_s[i] = load_value(a.q, t * nh * di + i, a.q_dtype);
   for (int i = tid; i < nh; i += blockDim.x) w_s[i] = a.weights[t * nh + i];
-
-  const int64_t n_tiles = (tok.nv + kSimtTile - 1) / kSimtTile;
-  const int64_t tb = n_tiles * c / ctas, te = n_tiles * (c + 1) / ctas;
   const uint8_t* cache = static_cast<const uint8_t*>(a.idx_cache);
   for (int64_t tile = tb; tile < te; ++tile) {
     const int64_t j0 = tile * kSimtTile;
