@@ -229,15 +229,15 @@ def test_bench_swa_cache_write(benchmark, copy_bandwidth, mode, fmt):
 # (mode, compressor) -> forced configurations "K,G,chunk,pipe" or named knobs "BULK_K=8 BULK_G=8" (empty: the
 # launcher's default: the CSA compressors run the general kernel, or at prefill the windows path, which takes no
 # knob; WINDOWS=0 turns it off, and a forced K, G, chunk or pipe does too; HCA runs the online-state kernel, which
-# takes K (cluster) and chunk only, and in long calls the bulk grid behind it: BULK_K its channel slices, BULK_G
-# its slot groups, BULK=0 none).
+# takes K (cluster), G (slot groups) and chunk, and in long calls the bulk grid behind it: BULK_K its channel
+# slices, BULK_G its slot groups, BULK=0 none).
 SWEEP = {
     ("prefill", "csa_main"): [",,,", "WINDOWS=0", ",1,,", ",4,,", ",,4,", ",,8,", ",,32,", ",,16,0", ",1,4,", ",1,8,",
                               "2,,4,", "4,,4,", "2,1,8,"],
     ("prefill", "csa_indexer"): [",,,", "WINDOWS=0", ",1,,", ",4,,", ",,8,", ",,16,", ",,32,", ",1,8,", ",1,16,",
                                  ",,8,0"],
     ("prefill", "hca"): [",,,", "BULK=0", "BULK_K=8", "BULK_G=16", "BULK_K=8 BULK_G=8", "BULK_K=2 BULK_G=4",
-                         "8,,,", "2,,128,"],
+                         "8,,,", "2,,128,", ",1,,"],
     ("decode", "csa_main"): [",,,", ",2,1,", "2,,1,", "4,,1,"],
     ("decode", "csa_indexer"): [",,,", ",2,1,", ",1,1,"],
     ("decode", "hca"): [",,,", ",,2,", ",,4,", "2,,1,"],

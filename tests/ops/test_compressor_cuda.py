@@ -324,6 +324,8 @@ def test_compressor_update_cuda_float16(comp):
 # batches of slots a thread; 32: groups without slots for the small windows), channel slices in clusters (also for
 # the small windows, where the default is one CTA), and plain stream serialization instead of programmatic
 # dependent launch.
+# Online kernel (no-overlap compressors: HCA): CLUSTER and CHUNK as above, and GROUPS slot groups a CTA (at most
+# 256 threads; by default two when a bulk grid runs behind it, else one), merged in shared memory.
 # Bulk grid (BULK=1; by default only in calls of 512 tokens or more; no-overlap compressors only): HCA's interior
 # windows, which read no state, in a second grid behind the online kernel: clusters of K CTAs (channel slices) over a
 # span of m tokens, G slot groups, started without waiting for the online kernel.
