@@ -1233,12 +1233,14 @@ __global__ void __launch_bounds__(kStateThreads) compressor_state_kernel(const _
 // window's rows before s); a closing item writes its entry; the owner then writes the state: the merged window if
 // it does not close, else the request's new open window [e/m*m, e) pooled the same way (zeros when empty). Only
 // the owner reads or writes the state, so no other CTA orders against it.
-// Grid (shapes only): a cluster of R CTAs (4 in long calls) takes `chunk` consecutive tokens and runs their items one after
-// another. CTA k of the cluster pools the k-th of R contiguous parts of an item's rows over the whole row (a thread:
-// 4 channels, kOnlineBatch rows loaded at once, exact softmax a batch, batches merged online); the partials go to
-// rank 0 through distributed shared memory, merged in rank order (deterministic); rank 0 post-processes the entry
-// (store_entry, whole rows in one CTA) and writes the state. Decode: R = 1 and a token a CTA, so an item is one
-// round of loads (metadata, then the row and the state together) before the stores.
+// Grid (shapes only): a cluster of R CTAs (4 in long calls) takes `chunk` consecutive tokens and runs their items one
+// after another. The CTAs hold G slot groups (2 when a bulk grid runs behind, else 1) of d / 4 threads; group g of CTA
+// k pools part k * G + g of R * G contiguous parts of an item's rows over the whole row (a thread: 4 channels,
+// kOnlineBatch rows loaded at once, exact softmax a batch, batches merged online); the groups merge in shared memory
+// in group order, the CTAs' partials go to rank 0 through distributed shared memory, merged in rank order
+// (deterministic); rank 0 post-processes the entry (store_entry, whole rows in one CTA) and writes the state.
+// Decode: R = G = 1 and a token a CTA, so an item is one round of loads (metadata, then the row and the state
+// together) before the stores.
 constexpr int kOnlineBatch = 8;
 constexpr int kOnlineMaxThreads = 256;  // d <= 1024 (the binding's bound)
 
