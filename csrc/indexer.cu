@@ -730,8 +730,10 @@ __global__ void __launch_bounds__(kSimtThreads) score_simt_kernel(const IndexerA
 // Digits of the composite key c = key << 32 | ~index (so the smaller index wins a tie of scores), from the top:
 // level 0 = key bits 31..20 (b1), 1 = bits 19..8, 2 = bits 7..0, 3..6 = the bytes of ~index. Bits
 // [digit_lo(L), digit_lo(L) + width) of c hold digit L (widths 12, 12, 8, 8, 8, 8, 8). Both selections use these.
+// Past level 6 (the grid selection names level + 1 in a branch that level 6 never takes: one index is left there)
+// the last byte again, so that every shift stays defined.
 __device__ __forceinline__ int digit_lo(int level) {
-  return level == 0 ? 52 : (level == 1 ? 40 : 32 - 8 * (level - 2));
+  return level == 0 ? 52 : (level == 1 ? 40 : (level >= 6 ? 0 : 32 - 8 * (level - 2)));
 }
 
 __device__ __forceinline__ uint64_t composite(uint32_t key, uint32_t j) {
