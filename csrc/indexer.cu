@@ -727,21 +727,18 @@ __global__ void __launch_bounds__(kSimtThreads) score_simt_kernel(const IndexerA
 }
 
 // ------------------------------------------------------------------------------------------ selection
-// Digits of the composite key c = key << 32 | ~index (so the smaller index wins a tie of scores), from the top:
-// level 0 = key bits 31..20 (b1), 1 = bits 19..8, 2 = bits 7..0, 3..6 = the bytes of ~index. Bits
-// [digit_lo(L), digit_lo(L) + width) of c hold digit L (widths 12, 12, 8, 8, 8, 8, 8). Both selections use these.
-// Past level 6 (the grid selection names level + 1 in a branch that level 6 never takes: one index is left there)
-// the last byte again, so that every shift stays defined.
-__device__ __forceinline__ int digit_lo(int level) {
-  return level == 0 ? 52 : (level == 1 ? 40 : (level >= 6 ? 0 : 32 - 8 * (level - 2)));
-}
-
-__device__ __forceinline__ uint64_t composite(uint32_t key, uint32_t j) {
-  return (static_cast<uint64_t>(key) << 32) | ~j;
-}
-
+// Digits of the composite key (score key, ~index): level 0 = key bits 31..20 (b1), 1 = bits 19..8, 2 = bits
+// 7..0, 3..6 = the bytes of ~index from the top (so the smaller index wins a tie of scores).
 __device__ __forceinline__ uint32_t digit_of(int level, uint32_t key, uint32_t j) {
-  return static_cast<uint32_t>(composite(key, j) >> digit_lo(level)) & (level < 2 ? 0xFFFu : 0xFFu);
+  const uint32_t nj = ~j;
+  switch (level) {
+    case 1: return (key >> 8) & 0xFFF;
+    case 2: return key & 0xFF;
+    case 3: return nj >> 24;
+    case 4: return (nj >> 16) & 0xFF;
+    case 5: return (nj >> 8) & 0xFF;
+    default: return nj & 0xFF;
+  }
 }
 
 // All lanes of the warp call; lanes with `pred` write j at consecutive slots claimed with one atomic.
@@ -993,6 +990,11 @@ __host__ __device__ inline size_t small_smem_bytes() {
   return sizeof(uint32_t) * (kSmallEntries + kBins + kSmallWords + kScratchWords);
 }
 
+// Bits [digit_lo(L), digit_lo(L) + width) of the composite hold digit L (widths 12, 12, 8, 8, 8, 8, 8).
+__device__ __forceinline__ int digit_lo(int level) {
+  return level == 0 ? 52 : (level == 1 ? 40 : 32 - 8 * (level - 2));
+}
+
 __global__ void __launch_bounds__(kSmallThreads) select_small_kernel(const IndexerArgs a, const Ws ws,
                                                                      const int64_t t0) {
   extern __shared__ __align__(16) uint32_t sm_small[];
@@ -1068,7 +1070,7 @@ __global__ void __launch_bounds__(kSmallThreads) select_small_kernel(const Index
         }
       } else {
         for (int j = tid; j < n; j += nt) {
-          const uint64_t c = composite(ks[j], static_cast<uint32_t>(j));
+          const uint64_t c = (static_cast<uint64_t>(ks[j]) << 32) | ~static_cast<uint32_t>(j);
           if ((c >> plo) == want) atomicAdd(hist + ((c >> lo_l) & mask), 1u);
         }
       }
@@ -1091,7 +1093,7 @@ __global__ void __launch_bounds__(kSmallThreads) select_small_kernel(const Index
       if ((ks[j] >> sh) >= thr32) atomicOr(bits + (j >> 5), 1u << (j & 31));
   } else {
     for (int j = tid; j < n; j += nt) {
-      const uint64_t c = composite(ks[j], static_cast<uint32_t>(j));
+      const uint64_t c = (static_cast<uint64_t>(ks[j]) << 32) | ~static_cast<uint32_t>(j);
       if ((c >> lo_f) >= thr) atomicOr(bits + (j >> 5), 1u << (j & 31));
     }
   }
