@@ -77,6 +77,17 @@ __device__ __forceinline__ float comp(const float4& v, int k) {
   return k == 0 ? v.x : (k == 1 ? v.y : (k == 2 ? v.z : v.w));
 }
 
+// e^(x - mx) of a softmax term (x <= mx, or x = -inf: 0) as 2^((x - mx) log2 e) on the MUFU: ex2.approx is within
+// 2 ulp, and the product's rounding moves the result by about |x - mx| * 6e-8 relative, which matters only for
+// terms of weight e^(x - mx) far below the pooling's 1e-6 tolerance. Three instructions where expf takes ten; the
+// pooling runs one per slot and channel, which made it the largest part of a prefill entry's instructions.
+// Results below 2^-126 flush to zero (ftz): such a term adds nothing next to the batch maximum's 1.
+__device__ __forceinline__ float exp_sub(float x, float mx) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(__fmul_rn(__fsub_rn(x, mx), 1.4426950408889634f)));
+  return y;
+}
+
 
 template <typename T>
 __device__ __forceinline__ void store4(T* p, const float (&v)[4]);
@@ -249,11 +260,11 @@ __device__ __forceinline__ void merge_into(float& m1, float& z1, float& a1, floa
     z1 = z2;
     a1 = a2;
   } else if (m1 >= m2) {
-    const float f = expf(__fsub_rn(m2, m1));
+    const float f = exp_sub(m2, m1);
     z1 = __fmaf_rn(z2, f, z1);
     a1 = __fmaf_rn(a2, f, a1);
   } else {
-    const float f = expf(__fsub_rn(m1, m2));
+    const float f = exp_sub(m1, m2);
     z1 = __fmaf_rn(z1, f, z2);
     a1 = __fmaf_rn(a1, f, a2);
     m1 = m2;
@@ -275,7 +286,7 @@ __device__ __forceinline__ void reduce_batch(const float4 (&v)[N], const float4 
 #pragma unroll
       for (int u = 0; u < N; ++u) {
         if (ok[u]) {
-          const float e = expf(__fsub_rn(comp(s[u], k), bm));
+          const float e = exp_sub(comp(s[u], k), bm);
           bz = __fadd_rn(bz, e);
           ba = __fmaf_rn(e, comp(v[u], k), ba);
         }
@@ -374,9 +385,9 @@ __device__ __forceinline__ void pool_fused(const CompressorArgs& a, const Ctx& x
   for (int k = 0; k < 4; ++k) {
     const float sa = comp(s0, k), sb = comp(s1, k);
     const float bm = ok0 ? fmaxf(sa, sb) : sb;
-    const float eb = expf(__fsub_rn(sb, bm));
+    const float eb = exp_sub(sb, bm);
     if (ok0) {
-      const float ea = expf(__fsub_rn(sa, bm));
+      const float ea = exp_sub(sa, bm);
       ps.z[k] = __fadd_rn(ea, eb);
       ps.acc[k] = __fmaf_rn(eb, comp(v1, k), __fmul_rn(ea, comp(v0, k)));
     } else {
@@ -443,9 +454,7 @@ __device__ __forceinline__ Rot rope_rot(const CompressorArgs& a, const Ctx& x, c
     const float pos = static_cast<float>(static_cast<int64_t>(w) * a.ratio);
 #pragma unroll
     for (int pr = 0; pr < 2; ++pr) {
-      const float ang = __fmul_rn(pos, cs.fr[pr]);
-      rt.cs[pr] = cosf(ang);
-      rt.sn[pr] = sinf(ang);
+      sincosf(__fmul_rn(pos, cs.fr[pr]), &rt.sn[pr], &rt.cs[pr]);  // one argument reduction for both
     }
   }
   return rt;
@@ -480,7 +489,7 @@ __device__ __forceinline__ float cast_pooled(const Ctx& x, const Pool& ps, float
   float ss = 0.0f;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    val[k] = x.post ? round_to<OutT>(__fdiv_rn(ps.acc[k], ps.z[k])) : 0.0f;
+    val[k] = x.post ? round_to<OutT>(__fdividef(ps.acc[k], ps.z[k])) : 0.0f;  // 2 ulp; z >= 1 (the max's term)
     ss = __fmaf_rn(val[k], val[k], ss);
   }
   return warp_sum(ss);
@@ -1081,7 +1090,7 @@ __device__ __forceinline__ void pool_interior(const CompressorArgs& a, const Ctx
     float bz = 0.0f, ba = 0.0f;
 #pragma unroll
     for (int u = 0; u < kWinSlots; ++u) {
-      const float e = expf(__fsub_rn(comp(s[u], k), bm));
+      const float e = exp_sub(comp(s[u], k), bm);
       bz = __fadd_rn(bz, e);
       ba = __fmaf_rn(e, comp(v[u], k), ba);
     }

@@ -42,7 +42,9 @@ def _load_family(stem: str, arch: str, verbose: bool) -> None:
     build_dir = CSRC.parent / ".build" / f"dsv4rt_{stem}"
     build_dir.mkdir(parents=True, exist_ok=True)
     # No --use_fast_math: the kernels must round exactly as the references (IEEE division, log2f/exp2f/cosf/sinf,
-    # no flush of denormals); csrc/check_compile.sh builds with the same flags. DSV4RT_NVCC_FLAGS adds flags (e.g.
+    # no flush of denormals) wherever a result is compared bit for bit; an approximation is written out where it is
+    # used and its tolerance is tested (the compressors' softmax pooling: exp_sub, __fdividef; csrc/compressor.cu).
+    # csrc/check_compile.sh builds with the same flags. DSV4RT_NVCC_FLAGS adds flags (e.g.
     # -lineinfo, for Nsight Compute's source view). torch keys the build on its flags: a process that loads a family
     # without the flags an earlier one built it with rebuilds it without them.
     extra = os.environ.get("DSV4RT_NVCC_FLAGS", "").split()

@@ -11,7 +11,8 @@ entry rows are NaN or 0xFF bytes. Checked:
     largest magnitude of the reference's values): the online softmax sums and merges in another order;
     untouched slots still NaN;
   * entry rows the step does not close: still poisoned;
-  * closed entries: close to the reference (the pooling sums in another order: fp32 within FP32_ROW_RTOL of
+  * closed entries: close to the reference (the pooling sums in another order, its exponentials on the MUFU
+    (ex2.approx, 2 ulp) and its final division within 2 ulp: fp32 within FP32_ROW_RTOL of
     the row norm with overlap, HCA_FP32_ROW_RTOL for HCA, 16-bit dtypes within a rounding step), and their
     quantisation exact: the kernel's FP8/FP4/SIM rows equal the reference quantiser (`store_rows`) applied to
     the kernel's own unquantised entries.
