@@ -1,5 +1,6 @@
 // Torch binding of the MoE family: checks, then csrc/moe.cu on the current stream. moe_gate runs its kernel for up to
-// 8 tokens (x cast inside it) and the reference's cuBLAS call above that. moe_experts picks its path from shapes only:
+// 8 tokens (x cast inside it) and a cuBLAS GEMM above that (bf16 x and weight: fp32 output of the bf16 inputs; else
+// the reference's own call). moe_experts picks its path from shapes only:
 // large batches (bf16, more than DSV4RT_MOE_GROUPED_MIN_PAIRS = 3072 rows by default, the shared expert's T rows
 // counted with the T * k pairs) run the projections as grouped GEMMs (at::_grouped_mm, offsets computed on the device)
 // between the plan, activation and combine kernels, the shared expert as plain GEMMs on its separate weights; the rest
@@ -76,7 +77,8 @@ void check_index(const at::Tensor& t, const char* op, const char* name, const at
 at::Tensor moe_gate_cuda(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1),
               "moe_gate: x must be [T, D] and weight [E, D]");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat, "moe_gate: weight must be float32, got ", weight.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "moe_gate: weight must be float32 or bfloat16, got ", weight.scalar_type());
   TORCH_CHECK(weight.device() == x.device(), "moe_gate: x and weight on different devices");
   const int64_t n_tok = x.size(0), dim = x.size(1), n_exp = weight.size(0);
   const c10::cuda::CUDAGuard guard(x.device());
@@ -84,11 +86,19 @@ at::Tensor moe_gate_cuda(const at::Tensor& x, const at::Tensor& weight) {
                       weight.is_contiguous() && aligned16(x) && aligned16(weight) &&
                       (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
                        x.scalar_type() == at::kHalf);
-  if (!native) return at::linear(x.to(at::kFloat), weight);  // the reference's own arithmetic (cuBLAS)
+  if (!native) {
+    // bf16 x and weight (a bf16 model): cuBLAS's bf16 GEMM with fp32 output (exact products, fp32 sums), no copy of
+    // the weight. Otherwise the reference's own arithmetic, the weight cast to fp32 (bf16 only: off the model's path).
+    if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) {
+      return at::mm(x, weight.t(), at::kFloat);
+    }
+    return at::linear(x.to(at::kFloat), weight.to(at::kFloat));
+  }
   at::Tensor logits = at::empty({n_tok, n_exp}, x.options().dtype(at::kFloat));
   if (n_exp == 0) return logits;
-  check_launch(dsv4rt::moe_gate_launch(x.data_ptr(), dtype_code(x.scalar_type()), weight.data_ptr<float>(), n_tok, dim,
-                                       n_exp, logits.data_ptr<float>(), c10::cuda::getCurrentCUDAStream(), use_pdl()),
+  check_launch(dsv4rt::moe_gate_launch(x.data_ptr(), dtype_code(x.scalar_type()), weight.data_ptr(),
+                                       weight.scalar_type() == at::kBFloat16, n_tok, dim, n_exp,
+                                       logits.data_ptr<float>(), c10::cuda::getCurrentCUDAStream(), use_pdl()),
                "moe_gate");
   return logits;
 }

@@ -188,24 +188,47 @@ __device__ __forceinline__ float4 load4<__half>(const __half* p) {
   return load4_half(p);
 }
 
-// logits[t, e] = sum_d float(x[t, d]) * w[e, d]: fp32 FMAs, each thread over its columns, then the warps of a row in
-// a fixed order: deterministic.
-template <typename T>
-__global__ void __launch_bounds__(kGateThreads) moe_gate_kernel(const T* x, const float* __restrict__ w,
+// logits[t, e] = sum_d float(x[t, d]) * float(w[e, d]): fp32 FMAs, each thread over its columns, then the warps of a
+// row in a fixed order: deterministic. W: the weight's element type, float or bf16 (the checkpoint's: converted
+// exactly, half the bytes of the routing chain's one read).
+template <typename W>
+__device__ __forceinline__ void unpack_w(const uint4& v, float (&f)[16 / sizeof(W)]);
+
+template <>
+__device__ __forceinline__ void unpack_w<float>(const uint4& v, float (&f)[4]) {
+  f[0] = __uint_as_float(v.x);
+  f[1] = __uint_as_float(v.y);
+  f[2] = __uint_as_float(v.z);
+  f[3] = __uint_as_float(v.w);
+}
+
+template <>
+__device__ __forceinline__ void unpack_w<__nv_bfloat16>(const uint4& v, float (&f)[8]) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(u[i] << 16);
+    f[2 * i + 1] = __uint_as_float(u[i] & 0xFFFF0000u);
+  }
+}
+
+template <typename T, typename W>
+__global__ void __launch_bounds__(kGateThreads) moe_gate_kernel(const T* x, const W* __restrict__ w,
                                                                 float* __restrict__ logits, int n_tokens, int64_t dim,
                                                                 int64_t n_experts) {
+  constexpr int kE = 16 / sizeof(W);  // weights a 16-byte load
   __shared__ float part[kGateThreads / 32][moe_gate_max_tokens];
   const int tr = threadIdx.x % kGateRowThreads, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t e = static_cast<int64_t>(blockIdx.x) * (kGateThreads / kGateRowThreads) + threadIdx.x / kGateRowThreads;
   const bool live = e < n_experts;
-  const float* wr = w + (live ? e : 0) * dim;
-  const int64_t n4 = dim / 4;
+  const W* wr = w + (live ? e : 0) * dim;
+  const int64_t nq = dim / kE;
   uint4 wv[kGateU];
   auto load_w = [&](int64_t q0) {
 #pragma unroll
     for (int u = 0; u < kGateU; ++u) {
       const int64_t q = q0 + u * kGateRowThreads;
-      wv[u] = (live && q < n4) ? ld_stream(wr + 4 * q) : make_uint4(0, 0, 0, 0);
+      wv[u] = (live && q < nq) ? ld_stream(wr + kE * q) : make_uint4(0, 0, 0, 0);
     }
   };
   load_w(tr);  // the weights are no predecessor's output: in flight before the wait
@@ -218,22 +241,25 @@ __global__ void __launch_bounds__(kGateThreads) moe_gate_kernel(const T* x, cons
 #pragma unroll
     for (int u = 0; u < kGateU; ++u) {
       const int64_t q = q0 + u * kGateRowThreads;
-      if (q >= n4) break;
-      const float4 wf = make_float4(__uint_as_float(wv[u].x), __uint_as_float(wv[u].y), __uint_as_float(wv[u].z),
-                                    __uint_as_float(wv[u].w));
+      if (q >= nq) break;
+      float wf[kE];
+      unpack_w<W>(wv[u], wf);
 #pragma unroll
       for (int t = 0; t < moe_gate_max_tokens; ++t) {
         if (t < n_tokens) {
-          const float4 xv = load4<T>(x + t * dim + 4 * q);
-          acc[t] = fmaf(wf.x, xv.x, acc[t]);
-          acc[t] = fmaf(wf.y, xv.y, acc[t]);
-          acc[t] = fmaf(wf.z, xv.z, acc[t]);
-          acc[t] = fmaf(wf.w, xv.w, acc[t]);
+#pragma unroll
+          for (int h = 0; h < kE / 4; ++h) {
+            const float4 xv = load4<T>(x + t * dim + kE * q + 4 * h);
+            acc[t] = fmaf(wf[4 * h], xv.x, acc[t]);
+            acc[t] = fmaf(wf[4 * h + 1], xv.y, acc[t]);
+            acc[t] = fmaf(wf[4 * h + 2], xv.z, acc[t]);
+            acc[t] = fmaf(wf[4 * h + 3], xv.w, acc[t]);
+          }
         }
       }
     }
     q0 += kGateU * kGateRowThreads;
-    if (q0 >= n4) break;
+    if (q0 >= nq) break;
     load_w(q0);
   }
 #pragma unroll
@@ -1408,15 +1434,20 @@ MoePlan moe_plan_views(int32_t* workspace, int64_t n_experts, int64_t n_pairs) {
   return p;
 }
 
-cudaError_t moe_gate_launch(const void* x, int dtype, const float* weight, int64_t n_tokens, int64_t dim,
-                            int64_t n_experts, float* logits, cudaStream_t stream, bool pdl) {
+cudaError_t moe_gate_launch(const void* x, int dtype, const void* weight, bool weight_bf16, int64_t n_tokens,
+                            int64_t dim, int64_t n_experts, float* logits, cudaStream_t stream, bool pdl) {
   if (n_tokens < 1 || n_tokens > moe_gate_max_tokens || dim % 8 != 0) return cudaErrorInvalidValue;
   const int rows = kGateThreads / kGateRowThreads;
   const dim3 grid(static_cast<unsigned>((n_experts + rows - 1) / rows));
   return with_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    return launch(moe_gate_kernel<T>, grid, dim3(kGateThreads), 0, stream, pdl, static_cast<const T*>(x), weight,
-                  logits, static_cast<int>(n_tokens), dim, n_experts);
+    if (weight_bf16) {
+      return launch(moe_gate_kernel<T, __nv_bfloat16>, grid, dim3(kGateThreads), 0, stream, pdl,
+                    static_cast<const T*>(x), static_cast<const __nv_bfloat16*>(weight), logits,
+                    static_cast<int>(n_tokens), dim, n_experts);
+    }
+    return launch(moe_gate_kernel<T, float>, grid, dim3(kGateThreads), 0, stream, pdl, static_cast<const T*>(x),
+                  static_cast<const float*>(weight), logits, static_cast<int>(n_tokens), dim, n_experts);
   });
 }
 

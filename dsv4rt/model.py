@@ -160,9 +160,12 @@ class Attention(nn.Module):
 
 
 class Gate(nn.Module):
-    def __init__(self, cfg: ModelConfig, is_hash: bool) -> None:
+    def __init__(self, cfg: ModelConfig, is_hash: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = _param(cfg.n_experts, cfg.hidden_size, dtype=torch.float32)
+        # the router runs in fp32 (moe_gate casts); a bf16 model keeps the weight as the checkpoint stores it, bf16
+        # (exact, half the bytes of the routing chain's read), other dtypes in fp32
+        self.weight = _param(cfg.n_experts, cfg.hidden_size,
+                             dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
         if is_hash:
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.n_active, dtype=torch.int64))
         else:
@@ -188,7 +191,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, mlp_type: str, dtype: torch.dtype) -> None:
         super().__init__()
         self.cfg, self.is_hash = cfg, mlp_type == HASH_MOE
-        self.gate = Gate(cfg, self.is_hash)
+        self.gate = Gate(cfg, self.is_hash, dtype)
         self.experts = Experts(cfg, dtype)
         self.shared_experts = SharedExpert(cfg, dtype)
 

@@ -26,7 +26,8 @@ torch.library.define(
 @torch.library.register_fake("dsv4rt::moe_gate")
 def _moe_gate_fake(x, weight):
     torch._check(x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1])
-    torch._check(weight.dtype == torch.float32, lambda: "moe_gate: weight must be float32")
+    torch._check(weight.dtype in (torch.float32, torch.bfloat16),
+                 lambda: "moe_gate: weight must be float32 or bfloat16")
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
@@ -69,8 +70,9 @@ def _renorm(scores: Tensor, ids: Tensor, scale: float) -> Tensor:
 
 
 def moe_gate_ref(x: Tensor, weight: Tensor) -> Tensor:
-    """Router logits in fp32: x cast to fp32, times the fp32 gate weight."""
-    return F.linear(x.float(), weight)
+    """Router logits in fp32: x cast to fp32, times the gate weight cast to fp32 (fp32, or the checkpoint's bf16:
+    exact)."""
+    return F.linear(x.float(), weight.float())
 
 
 def moe_route_ref(logits: Tensor, bias: Tensor, topk: int, scale: float) -> tuple[Tensor, Tensor]:
@@ -123,7 +125,8 @@ torch.library.impl("dsv4rt::moe_experts", "CompositeExplicitAutograd", moe_exper
 
 
 def moe_gate(x: Tensor, weight: Tensor) -> Tensor:
-    """Router logits. Shapes: x [T, D] (any float dtype), weight [E, D] fp32 -> [T, E] fp32 (x cast to fp32 first)."""
+    """Router logits. Shapes: x [T, D] (any float dtype), weight [E, D] fp32 or bf16 -> [T, E] fp32 (both cast to
+    fp32 first)."""
     return torch.ops.dsv4rt.moe_gate.default(x, weight)
 
 

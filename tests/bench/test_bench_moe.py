@@ -8,7 +8,8 @@ down [D, I] as three separate tensors, read in place by moe_experts. Variants:
   * experts: moe_experts alone (routed + shared, x_ready=True: x is an input of the graph) on precomputed routing
     (the fused call minus the router);
   * router: the fused call's routing alone (moe_gate, moe_route); router_linear: the same with the former
-    F.linear(x.float(), gate) logits (a cast and a cuBLAS GEMV).
+    F.linear(x.float(), gate) logits (a cast and a cuBLAS GEMV over the fp32 weight).
+The router weight is bf16, as a bf16 model holds it (the checkpoint's dtype; moe_gate casts it to fp32 exactly).
 Each benchmark captures REPEATS calls in one CUDA graph, cycling through several input sets so that successive calls
 choose other experts (no L2 reuse from one call to the next), and divides the replay time by REPEATS.
 Targets (issue 6), against ceilings measured in the same run:
@@ -69,7 +70,7 @@ def moe_weights():
     sg, su = (torch.randn(I, D, generator=g, device="cuda", dtype=torch.bfloat16).mul_(6.0 * D**-0.5)
               for _ in range(2))
     sd = torch.randn(D, I, generator=g, device="cuda", dtype=torch.bfloat16).mul_(I**-0.5)
-    gate = torch.randn(E, D, generator=g, device="cuda").mul_(D**-0.5)
+    gate = torch.randn(E, D, generator=g, device="cuda").mul_(D**-0.5).bfloat16()  # as a bf16 model holds it
     bias = torch.randn(E, generator=g, device="cuda").mul_(0.1)
     yield w13, w2, (sg, su, sd), gate, bias
     del w13, w2, sg, su, sd
@@ -92,8 +93,9 @@ def _variant(name: str, wt):
         def fn(x, routing):
             return _route(x, gate, bias)
     elif name == "router_linear":
+        gate32 = gate.float()  # the former fp32 weight, converted outside the graph
         def fn(x, routing):
-            return moe_route(F.linear(x.float(), gate), bias, K, SCALE)
+            return moe_route(F.linear(x.float(), gate32), bias, K, SCALE)
     else:
         raise ValueError(name)
     return fn

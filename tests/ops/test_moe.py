@@ -141,12 +141,21 @@ def test_cuda_experts_matches_reference(n_tokens, dtype, shared):
 
 
 # ------------------------------------------------------------------------------------------ semantics
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gate_is_fp32_linear(dtype):
-    """The model's former logits: F.linear(x.float(), weight), bit for bit on the CPU."""
+def test_gate_is_fp32_linear(dtype, wdtype):
+    """The model's former logits: F.linear(x.float(), weight.float()), bit for bit on the CPU; a bf16 weight (a bf16
+    model keeps the checkpoint's) is cast exactly."""
     x, weight = moe_gate_inputs("cpu", dtype=dtype)
+    weight = weight.to(wdtype)
     got = moe_gate(x, weight)
-    assert got.dtype == torch.float32 and torch.equal(got, F.linear(x.float(), weight))
+    assert got.dtype == torch.float32 and torch.equal(got, F.linear(x.float(), weight.float()))
+
+
+def test_gate_weight_dtypes():
+    x, weight = moe_gate_inputs("cpu")
+    with pytest.raises(Exception, match="float32 or bfloat16"):
+        torch.library.opcheck(torch.ops.dsv4rt.moe_gate.default, (x, weight.half()))
 
 
 def test_route_matches_loop():

@@ -176,21 +176,24 @@ def test_route_native():
 GATE_TOL = 1e-5  # fp32 sums of D = 4096 products in another order than cuBLAS: ~sqrt(D) * 2^-24 of sum |x| |w|
 
 
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("n_experts", [FLASH_E, 384])
-@pytest.mark.parametrize("n_tokens", [1, 5, 8, 9, 64])
-def test_gate_matches_reference(n_tokens, n_experts, dtype):
+@pytest.mark.parametrize("n_tokens", [1, 5, 8, 9, 64, 4096])
+def test_gate_matches_reference(n_tokens, n_experts, dtype, wdtype):
     g = torch.Generator().manual_seed(n_tokens)
     x = (torch.randn(n_tokens, FLASH_D, generator=g) * 2.0).to(dtype).cuda()
-    w = (torch.randn(n_experts, FLASH_D, generator=g) * FLASH_D**-0.5).cuda()
+    w = (torch.randn(n_experts, FLASH_D, generator=g) * FLASH_D**-0.5).to(wdtype).cuda()
     run_kernel((x, w), op=moe_gate)
     got = run_kernel((x, w), op=moe_gate)
     assert got.dtype == torch.float32 and got.shape == (n_tokens, n_experts) and torch.isfinite(got).all()
     exact = (x.double() @ w.double().t())
     bound = GATE_TOL * (x.double().abs() @ w.double().abs().t())
     assert ((got.double() - exact).abs() <= bound).all()
-    if n_tokens > 8:  # the reference's own call
-        assert torch.equal(got, moe_gate_ref(x, w))
+    if n_tokens > 8:  # cuBLAS: bf16 x and weight as one bf16 GEMM with fp32 output, else the reference's own call
+        both_bf16 = dtype == torch.bfloat16 and wdtype == torch.bfloat16
+        want = torch.mm(x, w.t(), out_dtype=torch.float32) if both_bf16 else moe_gate_ref(x, w)
+        assert torch.equal(got, want)
     assert torch.equal(got, moe_gate(x, w))  # deterministic
     # routing from these logits: the reference's expert sets but for near-ties
     gw, gi = moe_route(got, torch.zeros(n_experts, device="cuda"), TOPK, SCALE)
