@@ -1,7 +1,8 @@
 """CUDA kernels of the moe family (csrc/moe.cu, csrc/moe.cpp) against the reference (ops/moe.py).
 
-Gate (router logits, x cast to fp32 inside the kernel for up to 8 tokens, the reference's cuBLAS call above): against
-float64, within GATE_TOL of sum |x| |w| per logit; bit-identical to the reference where it falls back to it.
+Gate (router logits, fp32 or bf16 weight, x cast to fp32 inside the kernel for up to 8 tokens; above that one bf16
+GEMM with fp32 output for bf16 x and weight, else the reference's cuBLAS call): against float64, within GATE_TOL of
+sum |x| |w| per logit; bit-identical to the cuBLAS call it makes above 8 tokens.
 
 Routers (Flash 256 and Pro 384 experts, top-6, T in {1, 64, 4096}): the same expert sets as the reference run on the
 same device (the kernel computes the fp32 scores with torch's formulas, so the scores are identical) and weights
@@ -13,10 +14,11 @@ Flash dims (D 4096, I 2048, 256 routed experts, top-6, the shared expert as thre
 holds them) at T = 1, 8 and 64 (plan, expert GEMV and combine kernels; the shared expert one more slot; up to 8 tokens
 also the opt-in tiny path: two kernels that plan and combine inside themselves) and 4096 (grouped GEMMs; the shared
 expert plain GEMMs), with: random routing (most experts chosen by no token), one expert chosen by every token, hash
-routing (repeated ids included), padded rows (garbage x, one expert repeated k times); with and without the shared
-expert. Small dims: every path around its thresholds (tiny: T <= 8 and T * k <= 64; grouped: more than 3072 rows, the
-shared expert's T rows counted), float16 and float32, ids outside [0, E) (no weight, as in the reference),
-determinism with and without programmatic launches and the tiny path's L2 prefetch, CUDA-graph capture and replay.
+routing (repeated ids included), padded rows (garbage x, one expert repeated k times), skewed routing (Zipf-like:
+thousands of rows on a few experts, a few rows on many); with and without the shared expert. Small dims: every path
+around its thresholds (tiny: T <= 8 and T * k <= 64; grouped: more than 3072 rows, the shared expert's T rows counted),
+float16 and float32, ids outside [0, E) (no weight, as in the reference), determinism with and without programmatic
+launches and the tiny path's L2 prefetch, CUDA-graph capture and replay.
 Tests taking the `small_path` fixture run twice: default paths, then batches of up to 8 tokens on the tiny path.
 """
 from __future__ import annotations
@@ -248,12 +250,15 @@ def flash_case(n_tokens: int, scenario: str, seed: int = 0) -> tuple[torch.Tenso
         x[-n_pad:] = torch.randn(n_pad, FLASH_D, generator=g) * 3.0
         ids[-n_pad:] = 0
         w[-n_pad:] = SCALE / TOPK
+    elif scenario == "skewed":  # Zipf-like popularity: some experts with thousands of rows, many with a few
+        p = (torch.arange(FLASH_E, dtype=torch.float64) + 1.0) ** -1.1
+        ids = torch.multinomial(p.expand(n_tokens, FLASH_E), TOPK, replacement=False, generator=g).int()
     else:
         raise ValueError(scenario)
     return x.to(torch.bfloat16).cuda(), w.float().contiguous().cuda(), ids.int().contiguous().cuda()
 
 
-@pytest.mark.parametrize("scenario", ["random", "every_token", "hash", "padded"])
+@pytest.mark.parametrize("scenario", ["random", "every_token", "hash", "padded", "skewed"])
 @pytest.mark.parametrize("n_tokens", [1, 8, 64, 4096])
 def test_experts_flash_matches_reference(flash_weights, n_tokens, scenario, small_path):
     skip_if_same(small_path, n_tokens)
