@@ -188,9 +188,7 @@ __device__ __forceinline__ float4 load4<__half>(const __half* p) {
   return load4_half(p);
 }
 
-// logits[t, e] = sum_d float(x[t, d]) * float(w[e, d]): fp32 FMAs, each thread over its columns, then the warps of a
-// row in a fixed order: deterministic. W: the weight's element type, float or bf16 (the checkpoint's: converted
-// exactly, half the bytes of the routing chain's one read).
+// A 16-byte load of gate weights as fp32: 4 floats, or 8 bf16 widened exactly (a shift each).
 template <typename W>
 __device__ __forceinline__ void unpack_w(const uint4& v, float (&f)[16 / sizeof(W)]);
 
@@ -212,6 +210,9 @@ __device__ __forceinline__ void unpack_w<__nv_bfloat16>(const uint4& v, float (&
   }
 }
 
+// logits[t, e] = sum_d float(x[t, d]) * float(w[e, d]): fp32 FMAs, each thread over its columns, then the warps of a
+// row in a fixed order: deterministic. W: the weight's element type, float or bf16 (the checkpoint's: converted
+// exactly, half the bytes of the routing chain's one read).
 template <typename T, typename W>
 __global__ void __launch_bounds__(kGateThreads) moe_gate_kernel(const T* x, const W* __restrict__ w,
                                                                 float* __restrict__ logits, int n_tokens, int64_t dim,
