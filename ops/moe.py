@@ -72,6 +72,8 @@ def _renorm(scores: Tensor, ids: Tensor, scale: float) -> Tensor:
 def moe_gate_ref(x: Tensor, weight: Tensor) -> Tensor:
     """Router logits in fp32: x cast to fp32, times the gate weight cast to fp32 (fp32, or the checkpoint's bf16:
     exact)."""
+    torch._check(weight.dtype in (torch.float32, torch.bfloat16),
+                 lambda: f"moe_gate: weight must be float32 or bfloat16, got {weight.dtype}")
     return F.linear(x.float(), weight.float())
 
 

@@ -153,9 +153,12 @@ def test_gate_is_fp32_linear(dtype, wdtype):
 
 
 def test_gate_weight_dtypes():
+    """Weights other than fp32 and bf16 are refused by name, traced (fake) and eager (the reference) alike."""
     x, weight = moe_gate_inputs("cpu")
     with pytest.raises(Exception, match="float32 or bfloat16"):
         torch.library.opcheck(torch.ops.dsv4rt.moe_gate.default, (x, weight.half()))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        moe_gate(x, weight.half())
 
 
 def test_route_matches_loop():
