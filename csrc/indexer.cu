@@ -11,7 +11,9 @@
 //        * tensor cores (sm_90a, bf16 q, bf16 or FP4 keys, <= 64 heads, head dim 64 or 128): wgmma with the
 //          tile's 64 entries as M (A in registers, decoded by each lane from raw rows its warp cp.asyncs) and the
 //          token's q as N = 64 heads (B in shared memory); relu, weight and the sum over heads on the fp32
-//          accumulators (see "tensor-core scoring");
+//          accumulators (see "tensor-core scoring"). FP4 keys of head dim 128 in calls whose CTAs take many tiles
+//          (launch_wgmma) run an instance that takes e4m3 operands when q converts exactly (WgWarp::decode_f8,
+//          stage_q_f8), half the tensor-core work a tile;
 //        * general (any dtype, fp32 arithmetic): CUDA cores, for the other shapes and dtypes.
 //   3. select (programmatic dependent launch after the scoring grid, DSV4RT_INDEXER_PDL=0 turns it off). In groups
 //      of few tokens, those of at most kSmallEntries visible entries (decode up to a 128K-token context): one CTA a
@@ -26,9 +28,11 @@
 // Grid sizes depend on shapes only (multiprocessor count, T, block-table width); no host sync, no host planning.
 #include <climits>
 #include <cstdlib>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include "indexer.h"
 #include "async_copy.cuh"
@@ -225,6 +229,18 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   return d;
 }
 
+// an mbarrier no longer in use (no pending arrival or transaction), before mbar_init sets it up again
+__device__ __forceinline__ void mbar_inval(uint32_t bar) {
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// prmt with the default mode: a selector nibble with its top bit set gives the selected byte's sign bit, replicated
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
 constexpr int kWgTile = 64;   // entries per tile (wgmma M)
 constexpr int kWgHeads = 64;  // wgmma N: heads, zero-padded
 
@@ -304,6 +320,41 @@ __device__ __forceinline__ void wgmma_m64n64k16_first(float (&d)[32], uint32_t a
       "%16, %17, %18, %19, %20, %21, %22, %23, "
       "%24, %25, %26, %27, %28, %29, %30, %31"
       "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
+        "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
+        "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
+        "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+}
+
+// D[64 x 64] (+)= A[64 x 32] (registers, e4m3) * B[32 x 64] (shared, e4m3, K-major); scale_d 0 overwrites D
+__device__ __forceinline__ void wgmma_f8_m64n64k32(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                   uint64_t desc, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, "
+      "%8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, "
+      "%24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+}
+
+__device__ __forceinline__ void wgmma_f8_m64n64k32_first(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                         uint32_t a3, uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, "
+      "%8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, "
+      "%24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
       : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
         "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
         "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
@@ -489,12 +540,84 @@ struct WgWarp {
 #pragma unroll
     for (int s = 0; s < C::kKSteps; ++s) fence_regs(frag[s]);
   }
+
+  // ---- FP8 operands (FP4 keys of head dim 128, q taken as e4m3: see stage_q_f8). Lane (g, t) holds block t (32
+  // codes, scale byte s) of rows g and g + 8. With S the row's largest block scale, its codes become e4m3 values
+  // e2m1 * 2^(s - S + 6): a table of the 8 magnitudes shifted by that many binades, exact for s - S + 6 in [-5, 6],
+  // so the row is its e4m3 vector times 2^(S - 133), a factor applied to the row's score after the sum over heads.
+  // Word i of the slice (codes 8i .. 8i + 7) is k step i: its low half the register of k 4t .. 4t + 3, its high
+  // half that of k 16 + 4t .. 16 + 4t + 3 (f8_k_of_dim gives q's order). A row with a nonzero block more than 11
+  // binades below its largest is read with the shift clamped, and its CTA then scores its range again with bf16
+  // operands (score_wgmma_kernel).
+  int rexp[2];  // S - 133 of rows g and g + 8
+
+  // e4m3 bytes of the magnitudes e2m1(c) * 2^dl, c = 0..7, as the prmt table (bytes 0..3 lo, 4..7 hi); dl in [-5, 6]
+  static __device__ __forceinline__ void f8_table(int dl, uint32_t& lo, uint32_t& hi) {
+    lo = 0x3C383000u + static_cast<uint32_t>(dl) * 0x08080800u;
+    hi = 0x4C484440u + static_cast<uint32_t>(dl) * 0x08080808u;
+  }
+  // 8 codes to 8 e4m3 bytes: the magnitudes through the table (codes 0..3 of the word to r0, 4..7 to r1), the signs
+  // (bit 3 of each code) from prmt's sign-replicating selectors: the sign of code 2k + 1 is the top bit of byte k of
+  // w, that of code 2k the top bit of byte k of w << 4
+  static __device__ __forceinline__ void f8_word(uint32_t w, uint32_t lo, uint32_t hi, uint32_t& r0, uint32_t& r1) {
+    const uint32_t m = w & 0x77777777u, a = w << 4;
+    r0 = prmt(lo, hi, m) | (prmt(a, w, 0xD9C8u) & 0x80808080u);
+    r1 = prmt(lo, hi, m >> 16) | (prmt(a, w, 0xFBEAu) & 0x80808080u);
+  }
+
+  // Fragments of steps 0..3 and rexp from raw[] and scale[]. `spread` gathers (S - s) + 0x7FF4 of each row of this
+  // lane in its 16-bit half (rows g, g + 8; those at or past `rows` count 0): bit 15 or 31 is set once a row's
+  // block lies more than 11 binades below its largest, which the table's shift then clamps (a block of zero codes
+  // at the floor scale counts too, though it reads 0 whatever the shift). The check adds two instructions a tile
+  // (a per-tile vote across the warpgroup cost 10% at batch 64); the rare CTA it flags scores again. Call only once
+  // the wgmma that read frag[] has completed.
+  __device__ __forceinline__ void decode_f8(int g, int rows, uint32_t& spread) {
+    static_assert(DI == 128 && FP4, "FP8 operands: FP4 keys of head dim 128");
+    const uint32_t own = scale[0] | (scale[1] << 16);
+    uint32_t sp = __vmaxu2(own, __shfl_xor_sync(0xffffffffu, own, 1));  // the row's largest scale (its quad's)
+    sp = __vmaxu2(sp, __shfl_xor_sync(0xffffffffu, sp, 2));
+    uint32_t x = sp - own + 0x7FF47FF4u;  // per half: S - s <= 255, so no carry between the halves
+    if (rows < 16) x &= (g < rows ? 0xFFFFu : 0u) | (g + 8 < rows ? 0xFFFF0000u : 0u);  // the last, partial tile
+    spread |= x;
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int smax = static_cast<int>(rr ? sp >> 16 : sp & 0xFFFFu);
+      const int dl = max(static_cast<int>(scale[rr]) + 6 - smax, -5);
+      rexp[rr] = smax - 133;
+      uint32_t lo, hi;
+      f8_table(dl, lo, hi);
+#pragma unroll
+      for (int i = 0; i < kRaw; ++i) f8_word(raw[rr][i], lo, hi, frag[i][rr], frag[i][rr + 2]);
+    }
+  }
+
+  __device__ __forceinline__ void issue_f8(float (&d)[32], uint64_t desc0) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) fence_regs(frag[s]);
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {  // k step s: 32 bytes of each q^T row, in its one 128-byte swizzled atom
+      if (s == 0) {
+        wgmma_f8_m64n64k32_first(d, frag[0][0], frag[0][1], frag[0][2], frag[0][3], desc0);
+      } else {
+        wgmma_f8_m64n64k32(d, frag[s][0], frag[s][1], frag[s][2], frag[s][3], desc0 + 2 * s, 1);
+      }
+    }
+    wgmma_commit();
+  }
+
+  __device__ __forceinline__ void retire_f8() {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) fence_regs(frag[s]);
+  }
 };
 
 // relu, weight, sum over the 64 heads of D rows g and g + 8: lane t = 0 stores row g, t = 1 row g + 8.
 // wv: this lane's 16 head weights (heads 8c + 2t + e at 2c + e) in shared memory (registers are short here).
+// F8: each row's sum times 2^rexp (two normal factors: exact unless the score is below 2^-60).
+template <bool F8>
 __device__ __forceinline__ void wg_epilogue(const float (&d)[32], const float* wv, uint32_t* keys, int nv, int j0,
-                                            uint32_t* hist) {
+                                            uint32_t* hist, const int (&rexp)[2]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
@@ -512,6 +635,14 @@ __device__ __forceinline__ void wg_epilogue(const float (&d)[32], const float* w
   s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
   s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
   s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+  if constexpr (F8) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int e = rexp[rr], e1 = e >> 1;
+      float& v = rr ? s1 : s0;
+      v = __fmul_rn(__fmul_rn(v, __int_as_float((e1 + 127) << 23)), __int_as_float((e - e1 + 127) << 23));
+    }
+  }
   const int j = j0 + 16 * warp + g + 8 * t;
   if (t < 2 && j < nv) {
     const uint32_t key = order_key(t == 0 ? s0 : s1);
@@ -519,9 +650,75 @@ __device__ __forceinline__ void wg_epilogue(const float (&d)[32], const float* w
     if (hist != nullptr) atomicAdd(hist + (key >> 20), 1u);
   }
 }
+
+// k position (of the FP8 operands' order, see decode_f8) of q's dim d = 32t + 8i + 4u + e: 32i + 16u + 4t + e.
+__host__ __device__ constexpr int f8_k_of_dim(int d) {
+  return 32 * ((d >> 3) & 3) + 16 * ((d >> 2) & 1) + 4 * (d >> 5) + (d & 3);
+}
+
+// q^T as e4m3 operands (head dim 128) and the weights for them, when q allows: for head h with E the largest biased
+// exponent of its bf16 values, q8 = q * 2^(134 - E) (its largest value in [128, 256)) and w8 = w * 2^(E - 134), so
+// relu and the sum over heads see the same products. Taken when every q8 value is exact (an e4m3 number; checked
+// through fp16, which cannot tell values below 2^-25, that is 2^-32 of the head's largest, from zero, so those count
+// as zero) and every w8 is a normal float that scales back to w. The model's q (FP4 e2m1 blocks of 32 with
+// power-of-two scales, ops/kv_quant.py) converts whenever a head's block scales lie within 10 binades of each other,
+// as those of a Hadamard-rotated q do. Else the bf16 operands run. v: this thread's 8-element chunks of q, chunk
+// tid + 128 i (head (tid >> 4) + 8 i, elements 8 (tid & 15) ..). Every thread calls it; the answer is the CTA's.
+__device__ __forceinline__ bool stage_q_f8(const IndexerArgs& a, int64_t t, const uint4 (&v)[8], uint8_t* qsm,
+                                           float* wv_s) {
+  const int tid = threadIdx.x, c = tid & 15;
+  bool ok = true;
+  uint32_t q8[8][2];
+  float w8[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int h = (tid >> 4) + 8 * i;
+    const uint32_t x[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+    const uint32_t m = __vmaxu2(__vmaxu2(x[0] & 0x7F807F80u, x[1] & 0x7F807F80u),
+                                __vmaxu2(x[2] & 0x7F807F80u, x[3] & 0x7F807F80u));
+    int e = static_cast<int>(max(m & 0xFFFFu, m >> 16) >> 7);
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) e = max(e, __shfl_xor_sync(0xffffffffu, e, o));  // the head's 16 lanes
+    ok &= e == 0 || (e >= 8 && e <= 254);  // (0: zeros, or subnormals, which the check below takes as zeros)
+    const int es = (e >= 8 && e <= 254) ? e : 134;
+    const float f = __int_as_float((261 - es) << 23);  // 2^(134 - es)
+    uint32_t p8[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float y0 = __fmul_rn(__uint_as_float(x[j] << 16), f), y1 = __fmul_rn(__uint_as_float(x[j] & 0xFFFF0000u), f);
+      const __nv_fp8x2_storage_t b8 = __nv_cvt_float2_to_fp8x2(make_float2(y0, y1), __NV_SATFINITE, __NV_E4M3);
+      const __half2_raw back = __nv_cvt_fp8x2_to_halfraw2(b8, __NV_E4M3);
+      const __half2 yh = __floats2half2_rn(y0, y1);
+      const __half2_raw yr = *reinterpret_cast<const __half2_raw*>(&yh);
+      ok &= back.x == yr.x && back.y == yr.y;
+      p8[j] = b8;
+    }
+    q8[i][0] = p8[0] | (p8[1] << 16);
+    q8[i][1] = p8[2] | (p8[3] << 16);
+    w8[i] = 0.0f;
+    if (c == 0 && h < a.n_heads) {
+      const float w = a.weights[t * a.n_heads + h];
+      w8[i] = __fmul_rn(w, __int_as_float((es - 7) << 23));  // w * 2^(es - 134)
+      ok &= __fmul_rn(w8[i], f) == w;
+    }
+  }
+  if (__syncthreads_or(!ok)) return false;
+  const int k0 = f8_k_of_dim(8 * c);  // elements 8c .. 8c + 3 at k0 .., 8c + 4 .. at k0 + 16
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int h = (tid >> 4) + 8 * i;
+    uint8_t* row = qsm + h * 128;
+    *reinterpret_cast<uint32_t*>(row + ((((k0 >> 4)) ^ (h & 7)) << 4) + (k0 & 15)) = q8[i][0];
+    *reinterpret_cast<uint32_t*>(row + ((((k0 >> 4) + 1) ^ (h & 7)) << 4) + (k0 & 15)) = q8[i][1];
+    if (c == 0) wv_s[16 * ((h >> 1) & 3) + (((h >> 3) << 1) | (h & 1))] = w8[i];  // as the bf16 path's order
+  }
+  return true;
+}
 #endif  // sm_90a
 
-template <int DI, bool FP4, bool BULK>
+// F8 (FP4 keys of head dim 128): e4m3 operands when q allows (stage_q_f8), else bf16 ones; the launcher picks this
+// instance for calls whose CTAs take many tiles each (launch_wgmma).
+template <int DI, bool FP4, bool BULK, bool F8>
 __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a, const Ws ws, const int64_t t0,
                                                              const int ctas, const int log2e) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -549,16 +746,20 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
   uint32_t* const hist_or_null = counts ? hist : nullptr;
 
   // q^T into shared memory (row = head, k order of the operands), zero heads past n_heads: 16-byte loads, all
-  // in flight, then each pair of elements that share a register to its k position
-  {
-    constexpr int kChunks = kWgHeads * DI / 8 / 128;  // 8-element chunks per thread
+  // in flight, then as e4m3 operands when q allows (FP4 keys of head dim 128, stage_q_f8), else each pair of
+  // elements that share a bf16 register to its k position
+  constexpr bool kF8 = F8 && FP4 && DI == 128;
+  constexpr int kChunks = kWgHeads * DI / 8 / 128;  // 8-element chunks per thread
+  float* wv_s = reinterpret_cast<float*>(hist + kBins);  // [4 lanes t][16 weights]
+  auto load_q = [&](uint4 (&v)[kChunks]) {
     const uint4* q4 = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.q) + t * a.n_heads * DI);
-    uint4 v[kChunks];
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
       const int ch = tid + 128 * i, h = ch / (DI / 8);
       v[i] = h < a.n_heads ? q4[ch] : make_uint4(0, 0, 0, 0);
     }
+  };
+  auto stage_bf16 = [&](const uint4 (&v)[kChunks]) {
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
       const int ch = tid + 128 * i, h = ch / (DI / 8), e0 = (ch % (DI / 8)) * 8;
@@ -572,64 +773,121 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
                                      ((((k & 63) >> 3) ^ (h & 7)) << 4) + 2 * (k & 7)) = pair;
       }
     }
-  }
-  float* wv_s = reinterpret_cast<float*>(hist + kBins);  // [4 lanes t][16 weights]
-  if (tid < 64) {
-    const int tt = tid >> 4, i = tid & 15, h = 8 * (i >> 1) + 2 * tt + (i & 1);
-    wv_s[tid] = h < a.n_heads ? a.weights[t * a.n_heads + h] : 0.0f;
+    if (tid < 64) {
+      const int tt = tid >> 4, i = tid & 15, h = 8 * (i >> 1) + 2 * tt + (i & 1);
+      wv_s[tid] = h < a.n_heads ? a.weights[t * a.n_heads + h] : 0.0f;
+    }
+  };
+  bool f8 = false;
+  {
+    uint4 v[kChunks];
+    load_q(v);
+    if constexpr (kF8) {
+      f8 = stage_q_f8(a, t, v, qsm, wv_s);
+    }
+    if (!f8) stage_bf16(v);
   }
   const float* wv = wv_s + 16 * t4;
   // the ring's mbarriers (BULK), [kStages][4 warps]: stage i % kStages of warp w completes its phase (i / kStages)
   // once tile i's run has landed
   const uint32_t bars = smem_u32(wv_s + kScratchWords) + 8 * warp;
   auto bar = [&](int i) { return bars + (i % C::kStages) * 4 * 8; };
-  if (BULK && lane == 0) {
+  auto init_ring = [&]() {
+    if (BULK && lane == 0) {
 #pragma unroll
-    for (int i = 0; i < C::kStages; ++i) mbar_init(bar(i), 1);
-    mbar_init_fence();
-  }
-  fence_proxy_async();
-  __syncthreads();
+      for (int i = 0; i < C::kStages; ++i) mbar_init(bar(i), 1);
+      mbar_init_fence();
+    }
+    fence_proxy_async();
+    __syncthreads();
+  };
+  init_ring();
 
   const int32_t* bt_row = a.block_table + tok.slot * a.bt_stride;
   uint8_t* my_ring = ring + warp * C::kSeg;
   auto seg = [&](int i) { return my_ring + (i % C::kStages) * 4 * C::kSeg; };
+  auto prologue = [&]() {
 #pragma unroll
-  for (int i = 0; i < C::kStages - 1; ++i) {
-    if (i < n) W::copy(a, bt_row, nv, (tb + i) * kWgTile, warp, lane, seg(i), log2e, bar(i));
-    if (!BULK) cp_async_commit();
-  }
+    for (int i = 0; i < C::kStages - 1; ++i) {
+      if (i < n) W::copy(a, bt_row, nv, (tb + i) * kWgTile, warp, lane, seg(i), log2e, bar(i));
+      if (!BULK) cp_async_commit();
+    }
+  };
+  prologue();
   const uint64_t desc0 = smem_desc(smem_u32(qsm));
   uint32_t* keys = ws.keys + tl * ws.n_cap;
   W w;
+  w.rexp[0] = w.rexp[1] = 0;
   float d[32];
 #pragma unroll
   for (int i = 0; i < 32; ++i) d[i] = 0.0f;
+  uint32_t spread = 0u;  // F8: bit 15 or 31 once a row of this thread's was read with its shift clamped (decode_f8)
   // per tile: raw rows of tile i to registers, refill the ring, finish tile i - 1 (its wgmma read the fragments
   // that tile i's decode overwrites), decode and start tile i
-  for (int i = 0; i < n; ++i) {
-    if (BULK) {
-      mbar_wait(bar(i), static_cast<uint32_t>(i / C::kStages) & 1u);
-    } else {
-      cp_async_wait<C::kStages - 2>();
-      __syncwarp();
+  auto tiles = [&](auto f8c) {
+    constexpr bool kE4m3 = decltype(f8c)::value;
+    for (int i = 0; i < n; ++i) {
+      if (BULK) {
+        mbar_wait(bar(i), static_cast<uint32_t>(i / C::kStages) & 1u);
+      } else {
+        cp_async_wait<C::kStages - 2>();
+        __syncwarp();
+      }
+      w.fetch(seg(i), g, t4);
+      __syncwarp();  // every lane has read the stage before it is refilled
+      if (i + C::kStages - 1 < n) W::copy(a, bt_row, nv, (tb + i + C::kStages - 1) * kWgTile, warp, lane,
+                                          seg(i + C::kStages - 1), log2e, bar(i + C::kStages - 1));
+      if (!BULK) cp_async_commit();
+      wgmma_wait0();
+      fence_regs(d);
+      if constexpr (kE4m3) {
+        w.retire_f8();
+      } else {
+        w.retire();
+      }
+      if (i > 0) wg_epilogue<kE4m3>(d, wv, keys, nv, (tb + i - 1) * kWgTile, hist_or_null, w.rexp);
+      if constexpr (kE4m3) {
+        w.decode_f8(g, nv - (tb + i) * kWgTile - 16 * warp, spread);
+        w.issue_f8(d, desc0);
+      } else {
+        w.decode(seg(i), g, t4);  // bf16: reads stage i, which is refilled only at step i + 1 (after its __syncwarp)
+        w.issue(d, desc0);
+      }
     }
-    w.fetch(seg(i), g, t4);
-    __syncwarp();  // every lane has read the stage before it is refilled
-    if (i + C::kStages - 1 < n) W::copy(a, bt_row, nv, (tb + i + C::kStages - 1) * kWgTile, warp, lane,
-                                        seg(i + C::kStages - 1), log2e, bar(i + C::kStages - 1));
-    if (!BULK) cp_async_commit();
     wgmma_wait0();
     fence_regs(d);
-    w.retire();
-    if (i > 0) wg_epilogue(d, wv, keys, nv, (tb + i - 1) * kWgTile, hist_or_null);
-    w.decode(seg(i), g, t4);  // bf16: reads stage i, which is refilled only at step i + 1 (after its __syncwarp)
-    w.issue(d, desc0);
+    if constexpr (kE4m3) {
+      w.retire_f8();
+    } else {
+      w.retire();
+    }
+    if (n > 0) wg_epilogue<kE4m3>(d, wv, keys, nv, (tb + n - 1) * kWgTile, hist_or_null, w.rexp);
+  };
+  bool bf16_pass = true;
+  if constexpr (kF8) {
+    if (f8) {
+      tiles(std::true_type{});
+      if (!BULK) cp_async_wait<0>();
+      // Rare: a row's block scales lie more than 11 binades apart, so one shift could not hold it. Every wgmma and
+      // copy is complete (each warp waited for its last), so after the barrier the CTA stages q as bf16, clears its
+      // histogram, starts the ring again and scores its range anew, over the keys it wrote.
+      bf16_pass = __syncthreads_or((spread & 0x80008000u) != 0u);
+      if (bf16_pass) {
+        if (BULK && lane == 0) {
+#pragma unroll
+          for (int i = 0; i < C::kStages; ++i) mbar_inval(bar(i));
+        }
+        uint4 v[kChunks];
+        load_q(v);
+        stage_bf16(v);
+        if (counts)
+          for (int b = tid; b < kBins; b += 128) hist[b] = 0;
+        init_ring();
+        prologue();
+      }
+    }
   }
-  wgmma_wait0();
-  fence_regs(d);
-  w.retire();
-  if (n > 0) wg_epilogue(d, wv, keys, nv, (tb + n - 1) * kWgTile, hist_or_null);
+  if (bf16_pass) tiles(std::false_type{});
   if (!BULK) cp_async_wait<0>();  // (BULK: every run copied was waited for)
   pdl_launch_dependents();  // the select grid may be scheduled (it waits for this grid's completion)
   if (counts) flush_hist<128>(ws, tl, c, hist);
@@ -1171,19 +1429,30 @@ bool use_tensor_cores(const IndexerArgs& a) {
          reinterpret_cast<uintptr_t>(a.idx_cache) % 16 == 0 && reinterpret_cast<uintptr_t>(a.q) % 16 == 0;
 }
 
+// The FP8 instance pays more a CTA (q's check and e4m3 staging) and less a tile (half the tensor-core work; H200,
+// 64 queries over 256K FP4 entries: score 679-683 against 758-759 us; at batch 1, 8 tiles a CTA, an earlier form
+// lost: 19.7 against 18.1 us), so it runs when the CTAs take at least kF8MinTiles tiles each. DSV4RT_INDEXER_F8=0
+// never takes it, =1 always (comparisons, tests).
+constexpr int64_t kF8MinTiles = 32;
+
 template <int DI, bool FP4>
 cudaError_t launch_wgmma(const IndexerArgs& a, const Ws& ws, int64_t t0, int64_t g, cudaStream_t stream) {
   using C = WgCfg<DI, FP4>;
-  // FP4 rows in blocks of >= 16 entries: a warp's 16 rows are one run, copied in bulk
-  const bool bulk = FP4 && a.per_block >= 16 && !env_flag("DSV4RT_INDEXER_CP_ASYNC");
-  auto kernel = bulk ? score_wgmma_kernel<DI, FP4, FP4> : score_wgmma_kernel<DI, FP4, false>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::kSmem));
-  if (err != cudaSuccess) return err;
   const int64_t tiles = (n_cap_of(a) + kWgTile - 1) / kWgTile;
   int64_t ctas = static_cast<int64_t>(num_sms()) * (FP4 ? 4 : 2) / g;  // CTAs an SM: registers (FP4), smem (bf16)
   if (ctas > tiles) ctas = tiles;
   if (ctas < 1) ctas = 1;
+  // FP4 rows in blocks of >= 16 entries: a warp's 16 rows are one run, copied in bulk
+  const bool bulk = FP4 && a.per_block >= 16 && !env_flag("DSV4RT_INDEXER_CP_ASYNC");
+  auto kernel = bulk ? score_wgmma_kernel<DI, FP4, FP4, false> : score_wgmma_kernel<DI, FP4, false, false>;
+  if constexpr (DI == 128 && FP4) {
+    const char* env = std::getenv("DSV4RT_INDEXER_F8");
+    const bool want = env != nullptr && env[0] != '\0' ? env[0] != '0' : (tiles + ctas - 1) / ctas >= kF8MinTiles;
+    if (want) kernel = bulk ? score_wgmma_kernel<DI, FP4, true, true> : score_wgmma_kernel<DI, FP4, false, true>;
+  }
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::kSmem));
+  if (err != cudaSuccess) return err;
   kernel<<<static_cast<unsigned>(g * ctas), 128, C::kSmem, stream>>>(a, ws, t0, static_cast<int>(ctas),
                                                                      log2_exact(a.per_block));
   return cudaGetLastError();

@@ -1,7 +1,10 @@
 """CUDA kernel of `dsv4rt::indexer_topk` (csrc/indexer.cu) against the reference.
 
 Two scoring paths: tensor cores (bf16 q, bf16 or FP4 keys, <= 64 heads, head dim 64/128, sm_90a) and the general
-one (any dtype, fp32 arithmetic; forced with DSV4RT_INDEXER_GENERAL=1). Every check:
+one (any dtype, fp32 arithmetic; forced with DSV4RT_INDEXER_GENERAL=1). With FP4 keys of head dim 128, calls whose
+scoring CTAs take many tiles each run an instance that takes e4m3 operands when q converts exactly (the model's
+FP4-quantised q does), else bf16 ones; the `path` fixture forces that instance ("tensor", DSV4RT_INDEXER_F8=1) or the
+bf16 one ("tensor-bf16", DSV4RT_INDEXER_F8=0), since the tests' calls are short. Every check:
   * each query holds min(topk, visible) distinct indices in [0, visible), then -1 (the output memory is poisoned
     before the call, so an unwritten slot shows);
   * the index set equals the reference's for every query whose k-th and (k+1)-th float64 scores differ by more
@@ -31,16 +34,17 @@ SCORE_TOL = 1e-5   # |score error| / (sum_h |w_h| |q_h . k|): fp32 accumulation 
 RATIO = 4
 FLASH = dict(n_heads=64, head_dim=128, topk=512, per_block=32)   # Flash dims, 128-token blocks at ratio 4
 TINY = dict(n_heads=16, head_dim=64, topk=4, per_block=32)       # the tiny config's indexer
-PATHS = ["tensor", "general"]
+PATHS = ["tensor", "tensor-bf16", "general"]
 
 
 # ------------------------------------------------------------------------------------------ inputs
 def make_inputs(tokens: list[tuple[int, int]], fmt: str, n_heads: int, head_dim: int, topk: int, per_block: int,
                 q_dtype: torch.dtype = torch.bfloat16, seed: int = 0, key_scale: float = 1.0,
-                key_fn=None, positive_weights: bool = False, spare_blocks: int = 2) -> tuple:
+                key_fn=None, positive_weights: bool = False, spare_blocks: int = 2, q_quant: bool = True) -> tuple:
     """Op args for queries (slot or PAD_SLOT, position). fmt: "fp4" (uint8 rows), "bf16" or "fp32" value keys.
 
     key_fn(gen, n_rows, head_dim) -> float32 rows overrides the random normal keys (before rotation/quantisation).
+    q_quant=False keeps FP4-format calls' q rotated but not quantised (a q the e4m3 operands cannot hold).
     """
     gen = torch.Generator().manual_seed(seed)
     slots = sorted({s for s, _ in tokens if s != PAD_SLOT})
@@ -57,7 +61,7 @@ def make_inputs(tokens: list[tuple[int, int]], fmt: str, n_heads: int, head_dim:
     q = torch.randn(len(tokens), n_heads, head_dim, generator=gen)
     if fmt == "fp4":
         cache = idx_fp4_quantize_ref(hadamard(x)).reshape(n_blocks + 1, per_block, -1)
-        q = idx_fp4_fake_quant(hadamard(q))
+        q = idx_fp4_fake_quant(hadamard(q)) if q_quant else hadamard(q)
     else:
         cache = x.to(torch.bfloat16 if fmt == "bf16" else torch.float32).reshape(n_blocks + 1, per_block, head_dim)
     weights = torch.randn(len(tokens), n_heads, generator=gen) * (n_heads**-0.5 * head_dim**-0.5)
@@ -141,6 +145,10 @@ def path(request, monkeypatch):
         monkeypatch.setenv("DSV4RT_INDEXER_GENERAL", "1")
     else:
         monkeypatch.delenv("DSV4RT_INDEXER_GENERAL", raising=False)
+    if request.param == "general":
+        monkeypatch.delenv("DSV4RT_INDEXER_F8", raising=False)
+    else:
+        monkeypatch.setenv("DSV4RT_INDEXER_F8", "0" if request.param == "tensor-bf16" else "1")
     return request.param
 
 
@@ -266,6 +274,56 @@ def test_fp4_mixed_scales(path):
         return x * (2.0 ** (12 * (torch.arange(n) % 3 == 0).float())).unsqueeze(1)
     args = make_inputs(_lengths_tokens([700, 3000], 0), "fp4", **FLASH, seed=12, key_fn=keys)
     check(run_poisoned(args), args)
+
+
+def _set_block_scale(cache: torch.Tensor, rows: slice, block: int, drop: int) -> None:
+    """Rows `rows` of every cache block: FP4 block `block`'s scale byte `drop` binades below the row's other blocks'
+    largest (so `drop` is the row's spread)."""
+    others = [64 + b for b in range(4) if b != block]
+    top = cache[:, rows][..., others].to(torch.int32).amax(-1)
+    assert int(top.min()) > drop
+    cache[:, rows, 64 + block] = (top - drop).to(torch.uint8)
+
+
+def test_fp4_block_scale_spread(path):
+    # rows whose blocks' scales lie 11 (one shift still holds them) and 12 or 20 binades apart (the e4m3 operands
+    # cannot: those CTAs score their range again with bf16 operands), and rows with a block of zero codes at the
+    # floor scale (byte 1: it reads 0 whatever the shift, but the check counts its spread too); every kind of row in
+    # most tiles
+    args = list(make_inputs(_lengths_tokens([700, 3000], 0), "fp4", **FLASH, seed=16))
+    cache = args[2]
+    _set_block_scale(cache, slice(0, None, 7), 1, 11)
+    _set_block_scale(cache, slice(3, None, 29), 2, 12)
+    _set_block_scale(cache, slice(5, None, 31), 3, 20)
+    zero = slice(2, None, 5)
+    cache[:, zero, 32:48] = 0  # block 2's codes (elements 64 .. 95)
+    cache[:, zero, 66] = 1
+    check(run_poisoned(tuple(args)), tuple(args))
+
+
+def test_fp4_spread_everywhere(path):
+    # every row's block 3 twelve binades below its largest: every CTA takes the second (bf16) pass
+    args = list(make_inputs(_lengths_tokens([513, 2000], 1), "fp4", **FLASH, seed=17))
+    _set_block_scale(args[2], slice(None), 3, 12)
+    check(run_poisoned(tuple(args)), tuple(args))
+
+
+@pytest.mark.parametrize("q_kind", ["bf16", "head_range", "zero_head", "tiny_weight"])
+def test_fp4_q_operands(q_kind, path):
+    # q that the e4m3 operands cannot hold takes bf16 operands (the CTA's choice, from q alone): q not quantised,
+    # or one head's values spanning more binades than e4m3's normal range, or a weight that the head's scale would
+    # push below the normal floats; a head of zeros keeps the e4m3 operands
+    args = list(make_inputs(_lengths_tokens([700, 3000], 1), "fp4", **FLASH, seed=18, q_quant=q_kind != "bf16"))
+    q, w = args[0].clone(), args[1].clone()
+    if q_kind == "head_range":
+        q[:, 3, :32] *= 2.0**-20
+    elif q_kind == "zero_head":
+        q[:, 5] = 0
+    elif q_kind == "tiny_weight":
+        q[:, 7] *= 2.0**-100
+        w[:, 7] = 2.0**-30
+    args[0], args[1] = q, w
+    check(run_poisoned(tuple(args)), tuple(args))
 
 
 @pytest.mark.parametrize("head_dim", [128, 64])
