@@ -291,77 +291,44 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
          (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
 }
 
-// D[64 x 64] (+)= A[64 x 16] (registers) * B[16 x 64] (shared, K-major)
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                                uint64_t desc, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, "
-      "%8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, "
-      "%24, %25, %26, %27, %28, %29, %30, %31"
-      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
-}
-
-// the same with D overwritten (scale-d 0): D is not an input, so its registers need not be live before
-__device__ __forceinline__ void wgmma_m64n64k16_first(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
-                                                      uint32_t a3, uint64_t desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, "
-      "%8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, "
-      "%24, %25, %26, %27, %28, %29, %30, %31"
-      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
-        "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
-        "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
-        "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
-}
-
-// D[64 x 64] (+)= A[64 x 32] (registers, e4m3) * B[32 x 64] (shared, e4m3, K-major); scale_d 0 overwrites D
-__device__ __forceinline__ void wgmma_f8_m64n64k32(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                                   uint64_t desc, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, "
-      "%8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, "
-      "%24, %25, %26, %27, %28, %29, %30, %31"
-      "}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
-}
-
-__device__ __forceinline__ void wgmma_f8_m64n64k32_first(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
-                                                         uint32_t a3, uint64_t desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, "
-      "%8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, "
-      "%24, %25, %26, %27, %28, %29, %30, %31"
-      "}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
-        "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
-        "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
-        "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
-}
-
+// wgmma m64n64 with A (4 registers) and B (a shared-memory descriptor): D[64 x 64] (+)= A * B, fp32 accumulators.
+// NAME(d, a0..a3, desc, scale_d) adds to D (scale_d != 0) or overwrites it; NAME_first(d, a0..a3, desc) overwrites D,
+// which is then not an input, so its registers need not be live before. TYPES: the shape and types, TAIL: the
+// immediates (scales of A and B, and B's transpose where the types have one).
+#define DSV4RT_WG_ACC(c) \
+  c(d[0]), c(d[1]), c(d[2]), c(d[3]), c(d[4]), c(d[5]), c(d[6]), c(d[7]), \
+  c(d[8]), c(d[9]), c(d[10]), c(d[11]), c(d[12]), c(d[13]), c(d[14]), c(d[15]), \
+  c(d[16]), c(d[17]), c(d[18]), c(d[19]), c(d[20]), c(d[21]), c(d[22]), c(d[23]), \
+  c(d[24]), c(d[25]), c(d[26]), c(d[27]), c(d[28]), c(d[29]), c(d[30]), c(d[31])
+#define DSV4RT_WG_REGS                                       \
+  "%0, %1, %2, %3, %4, %5, %6, %7, "                         \
+  "%8, %9, %10, %11, %12, %13, %14, %15, "                   \
+  "%16, %17, %18, %19, %20, %21, %22, %23, "                 \
+  "%24, %25, %26, %27, %28, %29, %30, %31"
+#define DSV4RT_WGMMA_64x64(NAME, TYPES, TAIL)                                                                      \
+  __device__ __forceinline__ void NAME(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,          \
+                                       uint64_t desc, int scale_d) {                                                \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                      \
+                 "wgmma.mma_async.sync.aligned." TYPES " {" DSV4RT_WG_REGS "}, {%32, %33, %34, %35}, %36, p" TAIL \
+                 ";\n}\n"                                                                                           \
+                 : DSV4RT_WG_ACC("+f")                                                                              \
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));                                  \
+  }                                                                                                                 \
+  __device__ __forceinline__ void NAME##_first(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, \
+                                               uint64_t desc) {                                                     \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"                                                        \
+                 "wgmma.mma_async.sync.aligned." TYPES " {" DSV4RT_WG_REGS "}, {%32, %33, %34, %35}, %36, p" TAIL \
+                 ";\n}\n"                                                                                           \
+                 : DSV4RT_WG_ACC("=f")                                                                              \
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));                                                 \
+  }
+// bf16: A[64 x 16] * B[16 x 64] (K-major)
+DSV4RT_WGMMA_64x64(wgmma_m64n64k16, "m64n64k16.f32.bf16.bf16", ", 1, 1, 0")
+// e4m3: A[64 x 32] * B[32 x 64] (K-major; 8-bit types have no transpose)
+DSV4RT_WGMMA_64x64(wgmma_f8_m64n64k32, "m64n64k32.f32.e4m3.e4m3", ", 1, 1")
+#undef DSV4RT_WGMMA_64x64
+#undef DSV4RT_WG_REGS
+#undef DSV4RT_WG_ACC
 
 // block_in_pool in 32 bits (this path: n_blocks * per_block <= 2^32, so n_blocks < 2^31)
 __device__ __forceinline__ uint32_t block_in_pool32(const int32_t* bt_row, int col, int n_blocks) {
