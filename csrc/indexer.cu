@@ -793,6 +793,16 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
   // that tile i's decode overwrites), decode and start tile i
   auto tiles = [&](auto f8c) {
     constexpr bool kE4m3 = decltype(f8c)::value;
+    // the last wgmma has completed (its fragments may be overwritten); if DONE, its tile's scores to the keys
+#define DSV4RT_FINISH_TILE(DONE, J0)                                            \
+  wgmma_wait0();                                                                \
+  fence_regs(d);                                                                \
+  if constexpr (kE4m3) {                                                        \
+    w.retire_f8();                                                              \
+  } else {                                                                      \
+    w.retire();                                                                 \
+  }                                                                             \
+  if (DONE) wg_epilogue<kE4m3>(d, wv, keys, nv, (J0), hist_or_null, w.rexp);
     for (int i = 0; i < n; ++i) {
       if (BULK) {
         mbar_wait(bar(i), static_cast<uint32_t>(i / C::kStages) & 1u);
@@ -805,14 +815,7 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
       if (i + C::kStages - 1 < n) W::copy(a, bt_row, nv, (tb + i + C::kStages - 1) * kWgTile, warp, lane,
                                           seg(i + C::kStages - 1), log2e, bar(i + C::kStages - 1));
       if (!BULK) cp_async_commit();
-      wgmma_wait0();
-      fence_regs(d);
-      if constexpr (kE4m3) {
-        w.retire_f8();
-      } else {
-        w.retire();
-      }
-      if (i > 0) wg_epilogue<kE4m3>(d, wv, keys, nv, (tb + i - 1) * kWgTile, hist_or_null, w.rexp);
+      DSV4RT_FINISH_TILE(i > 0, (tb + i - 1) * kWgTile)
       if constexpr (kE4m3) {
         w.decode_f8(g, nv - (tb + i) * kWgTile - 16 * warp, spread);
         w.issue_f8(d, desc0);
@@ -821,14 +824,8 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
         w.issue(d, desc0);
       }
     }
-    wgmma_wait0();
-    fence_regs(d);
-    if constexpr (kE4m3) {
-      w.retire_f8();
-    } else {
-      w.retire();
-    }
-    if (n > 0) wg_epilogue<kE4m3>(d, wv, keys, nv, (tb + n - 1) * kWgTile, hist_or_null, w.rexp);
+    DSV4RT_FINISH_TILE(n > 0, (tb + n - 1) * kWgTile)
+#undef DSV4RT_FINISH_TILE
   };
   bool bf16_pass = true;
   if constexpr (kF8) {
