@@ -1409,10 +1409,10 @@ cudaError_t launch_wgmma(const IndexerArgs& a, const Ws& ws, int64_t t0, int64_t
   // FP4 rows in blocks of >= 16 entries: a warp's 16 rows are one run, copied in bulk
   const bool bulk = FP4 && a.per_block >= 16 && !env_flag("DSV4RT_INDEXER_CP_ASYNC");
   auto kernel = bulk ? score_wgmma_kernel<DI, FP4, FP4, false> : score_wgmma_kernel<DI, FP4, false, false>;
-  if constexpr (DI == 128 && FP4) {
+  if constexpr (DI == 128 && FP4) {  // with the rows' bulk copies only (blocks of >= 16 entries, as the model's)
     const char* env = std::getenv("DSV4RT_INDEXER_F8");
     const bool want = env != nullptr && env[0] != '\0' ? env[0] != '0' : (tiles + ctas - 1) / ctas >= kF8MinTiles;
-    if (want) kernel = bulk ? score_wgmma_kernel<DI, FP4, true, true> : score_wgmma_kernel<DI, FP4, false, true>;
+    if (want && bulk) kernel = score_wgmma_kernel<DI, FP4, true, true>;
   }
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::kSmem));
