@@ -1,10 +1,11 @@
 """CUDA kernel of `dsv4rt::indexer_topk` (csrc/indexer.cu) against the reference.
 
 Two scoring paths: tensor cores (bf16 q, bf16 or FP4 keys, <= 64 heads, head dim 64/128, sm_90a) and the general
-one (any dtype, fp32 arithmetic; forced with DSV4RT_INDEXER_GENERAL=1). With FP4 keys of head dim 128, calls whose
-scoring CTAs take many tiles each run an instance that takes e4m3 operands when q converts exactly (the model's
-FP4-quantised q does), else bf16 ones; the `path` fixture forces that instance ("tensor", DSV4RT_INDEXER_F8=1) or the
-bf16 one ("tensor-bf16", DSV4RT_INDEXER_F8=0), since the tests' calls are short. Every check:
+one (any dtype, fp32 arithmetic; forced with DSV4RT_INDEXER_GENERAL=1). With FP4 keys of head dim 128 in blocks of
+>= 16 entries, calls whose scoring CTAs take many tiles each run an instance that takes e4m3 operands when q converts
+exactly (the model's FP4-quantised q does), else bf16 ones; the `path` fixture forces that instance ("tensor",
+DSV4RT_INDEXER_F8=1) or the bf16 one ("tensor-bf16", DSV4RT_INDEXER_F8=0), since the tests' calls are short. Every
+check:
   * each query holds min(topk, visible) distinct indices in [0, visible), then -1 (the output memory is poisoned
     before the call, so an unwritten slot shows);
   * the index set equals the reference's for every query whose k-th and (k+1)-th float64 scores differ by more
