@@ -11,7 +11,8 @@
 // tokens (n <= 8; 0: none) to the tiny path, DSV4RT_MOE_TINY_PREFETCH=0 turns off its L2 prefetch of the down
 // projection's first expert, DSV4RT_MOE_EARLY=0 ignores x_ready (the shared expert then waits for the routing too),
 // DSV4RT_MOE_DIRECT=0 runs the plan kernel for one-token calls too (moe.h, MoeExpertsArgs::direct), DSV4RT_MOE_KEEP=0
-// turns off the L2 prefetch of the shared expert's down rows during the routing (MoeExpertsArgs::keep_shared).
+// turns off the L2 prefetch of the shared expert's down rows during the routing (MoeExpertsArgs::keep_shared),
+// DSV4RT_MOE_ROWS=0 runs one-token calls on the mma instances of the GEMV kernels (csrc/moe.cu reads it).
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
