@@ -83,9 +83,7 @@ __device__ __forceinline__ float comp(const float4& v, int k) {
 // pooling runs one per slot and channel, which made it the largest part of a prefill entry's instructions.
 // Results below 2^-126 flush to zero (ftz): such a term adds nothing next to the batch maximum's 1.
 __device__ __forceinline__ float exp_sub(float x, float mx) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(__fmul_rn(__fsub_rn(x, mx), 1.4426950408889634f)));
-  return y;
+  return fast_exp2(__fmul_rn(__fsub_rn(x, mx), 1.4426950408889634f));  // kv_quant.cuh
 }
 
 
