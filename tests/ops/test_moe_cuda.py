@@ -359,6 +359,33 @@ def test_experts_one_token_rows_equal_mma(flash_weights, scenario, monkeypatch):
     assert_experts_close(outs["1", "1"], outs["0", "1"])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim,inter", [(256, 256), (512, 768), (1280, 512)])
+def test_experts_one_token_rows_dims(dim, inter, dtype, monkeypatch):
+    """The row instances at D and I multiples of 256 other than Flash's: one chunk of 256 columns (the rest of a
+    load round empty), three (a partial round), five; bf16 and fp16; with the shared expert and without."""
+    g = torch.Generator().manual_seed(dim + inter)
+    n_exp, k = 8, 3
+    x = torch.randn(1, dim, generator=g)
+    w13 = torch.randn(n_exp, 2 * inter, dim, generator=g) * (6.0 * dim**-0.5)
+    w2 = torch.randn(n_exp, dim, inter, generator=g) * inter**-0.5
+    shared = (torch.randn(inter, dim, generator=g) * (6.0 * dim**-0.5),
+              torch.randn(inter, dim, generator=g) * (6.0 * dim**-0.5), torch.randn(dim, inter, generator=g) * inter**-0.5)
+    ids = torch.randperm(n_exp, generator=g)[:k].reshape(1, k).int()
+    w = torch.rand(1, k, generator=g) + 0.1
+    for sh in (shared, ()):
+        args = tuple(t.to(dtype).cuda() for t in (x, w13, w2)) + ((w / w.sum()).cuda(), ids.cuda(), LIMIT) + tuple(
+            t.to(dtype).cuda() for t in sh)
+        want = moe_experts_ref(*args)
+        monkeypatch.setenv("DSV4RT_MOE_ROWS", "1")
+        rows = run_kernel(args)
+        monkeypatch.setenv("DSV4RT_MOE_ROWS", "0")
+        mma = run_kernel(args)
+        assert_experts_close(rows, want)
+        assert_experts_close(mma, want)
+        assert_experts_close(rows, mma)
+
+
 # ------------------------------------------------------------------------------------------ experts, small dims
 SHARED = [False, True]
 
