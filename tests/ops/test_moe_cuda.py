@@ -98,6 +98,19 @@ def run_kernel(args: tuple, poison: int = 1 << 28, op=moe_experts) -> torch.Tens
     return out
 
 
+def run_both(args: tuple, monkeypatch, name: str, first: str, second: str) -> list[torch.Tensor]:
+    """moe_experts on `args` with the environment variable `name` at `first`, then at `second` (two kernel paths):
+    each close to the reference, and the two close to each other."""
+    want = moe_experts_ref(*args)
+    outs = []
+    for value in (first, second):
+        monkeypatch.setenv(name, value)
+        outs.append(run_kernel(args))
+        assert_experts_close(outs[-1], want)
+    assert_experts_close(outs[0], outs[1])
+    return outs
+
+
 # ------------------------------------------------------------------------------------------ routers
 def route_inputs(n_tokens: int, n_experts: int, seed: int = 0, bias_dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
@@ -304,15 +317,7 @@ def test_experts_tiny_path_equals_gemv_path(flash_weights, n_tokens, monkeypatch
     """The tiny path against the GEMV path (DSV4RT_MOE_TINY=0) on the same inputs: both close to the reference."""
     w13, w2, shared = flash_weights
     x, w, ids = flash_case(n_tokens, "every_token", seed=5)
-    args = (x, w13, w2, w, ids, LIMIT, *shared)
-    want = moe_experts_ref(*args)
-    monkeypatch.setenv("DSV4RT_MOE_TINY", str(TINY_TOKENS))
-    tiny = run_kernel(args)
-    monkeypatch.setenv("DSV4RT_MOE_TINY", "0")
-    gemv = run_kernel(args)
-    assert_experts_close(tiny, want)
-    assert_experts_close(gemv, want)
-    assert_experts_close(tiny, gemv)
+    run_both((x, w13, w2, w, ids, LIMIT, *shared), monkeypatch, "DSV4RT_MOE_TINY", str(TINY_TOKENS), "0")
 
 
 @pytest.mark.parametrize("scenario", ["random", "every_token", "hash", "repeated", "out_of_range"])
@@ -376,14 +381,7 @@ def test_experts_one_token_rows_dims(dim, inter, dtype, monkeypatch):
     for sh in (shared, ()):
         args = tuple(t.to(dtype).cuda() for t in (x, w13, w2)) + ((w / w.sum()).cuda(), ids.cuda(), LIMIT) + tuple(
             t.to(dtype).cuda() for t in sh)
-        want = moe_experts_ref(*args)
-        monkeypatch.setenv("DSV4RT_MOE_ROWS", "1")
-        rows = run_kernel(args)
-        monkeypatch.setenv("DSV4RT_MOE_ROWS", "0")
-        mma = run_kernel(args)
-        assert_experts_close(rows, want)
-        assert_experts_close(mma, want)
-        assert_experts_close(rows, mma)
+        run_both(args, monkeypatch, "DSV4RT_MOE_ROWS", "1", "0")
 
 
 # ------------------------------------------------------------------------------------------ experts, small dims
