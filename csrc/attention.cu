@@ -8,19 +8,21 @@
 //                     entry j is row (block_table[r, j / E], j mod E) of the pool.
 // Rows are read straight from the caches in their storage format (FP8 rows dequantised here).
 //
-// Tensor-core path (q bf16, caches bf16 or FP8 rows, D in {128, 512}): one CTA per (token, group of 16 or 64
-// heads, key split); the heads are the M dimension (MQA: all heads share the keys). Gather threads of their own (a
-// warpgroup beside the two math warpgroups of a 64-head CTA, one warp beside the 16-head CTA's two) stage each tile
-// of 64 key slots: a bulk copy (the copy engine) a raw row into the staging slots, tracked by an mbarrier, issued as
-// soon as the math warps have converted the previous tile, so that it runs while they compute. Each row is
-// prefetched into L2 two tiles earlier, and the gathers' indices are loaded three (block ids) and four (list
-// entries) tiles ahead. The math warps dequantise the staged rows into a swizzled fp16 tile, a thread per key and
-// 64-dim atom. Warp (m, h) owns 16 heads and one half of D (for 64 heads: warpgroup h): S = Q K^T over its half, the
-// pair's halves summed through shared memory (both warps then hold the same S), fp32 online softmax in registers,
-// P times V = K for its half of the output columns. 64-head groups of D = 512 use wgmma on sm_90a, the rest
+// Tensor-core path (q bf16, caches bf16 or FP8 rows, D in {128, 512}): one CTA per (token, group of 16 or 64 heads, key
+// split); the heads are the M dimension (MQA: all heads share the keys). 64-head groups of D = 512 with a 64-dim rope
+// on sm_90a (Flash, Pro) whose CTAs take many tiles run the producer-consumer kernel (sparse_attn_pc_kernel, below: a
+// producer warpgroup converts each tile while two math warpgroups compute the one before; use_pc). The other calls:
+// gather threads of their own (a warpgroup beside the two math warpgroups of a 64-head CTA, one warp beside the 16-head
+// CTA's two) stage each tile of 64 key slots: a bulk copy (the copy engine) a raw row into the staging slots, tracked
+// by an mbarrier, issued as soon as the math warps have converted the previous tile, so that it runs while they
+// compute. Each row is prefetched into L2 two tiles earlier, and the gathers' indices are loaded three (block ids) and
+// four (list entries) tiles ahead. The math warps dequantise the staged rows into a swizzled fp16 tile, a thread per
+// key and 64-dim atom. Warp (m, h) owns 16 heads and one half of D (for 64 heads: warpgroup h): S = Q K^T over its
+// half, the pair's halves summed through shared memory (both warps then hold the same S), fp32 online softmax in
+// registers, P times V = K for its half of the output columns. 64-head groups of D = 512 use wgmma on sm_90a, the rest
 // mma.sync m16n8k16.
-// Operands are fp16: bf16 and FP8 values convert exactly (in fp16's range, |x| <= 65504, which RMS-normed q and
-// kv rows hold), so S is exact up to fp32 summation order, and P rounds to 11 bits, not bf16's 8.
+// Operands are fp16: bf16 and FP8 values convert exactly (in fp16's range, |x| <= 65504, which RMS-normed q and kv rows
+// hold), so S is exact up to fp32 summation order, and P rounds to 11 bits, not bf16's 8.
 // Splits (a function of the shapes only) write partial (max, sum, acc) rows to a workspace; a second kernel combines
 // them with the sink.
 // Any other dtype or shape runs the generic path: one CTA per (token, head), fp32 dot products, four warps each
@@ -249,44 +251,57 @@ __device__ __forceinline__ void wgmma_ss_m64n64(float (&d)[8][4], uint64_t da, u
       : "l"(da), "l"(db), "r"(accumulate));
 }
 
+// The 128 accumulators of an m64n256 wgmma as asm operands %0 .. %127.
+#define DSV4RT_D256(d) \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
+  "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+  "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+  "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
+  "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
+  "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+  "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
+  "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), \
+  "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
+  "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
+  "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), \
+  "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
+  "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
+  "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
+  "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
+  "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]), \
+  "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), \
+  "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]), \
+  "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]), \
+  "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]), \
+  "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]), \
+  "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]), \
+  "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), \
+  "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]), \
+  "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]), \
+  "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]), \
+  "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]), \
+  "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]), \
+  "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]), \
+  "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]), \
+  "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]), \
+  "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+
 // d += A B, m64n256k16: A in registers (the mma.sync A fragment per warp), B N-major in shared memory.
 __device__ __forceinline__ void wgmma_rs_m64n256_tb(float (&d)[32][4], const uint32_t (&a)[4], uint64_t db) {
   DSV4RT_WGMMA(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
-        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
-        "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
-        "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
-        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]),
-        "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]),
-        "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]),
-        "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]),
-        "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]),
-        "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]),
-        "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]),
-        "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]),
-        "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]),
-        "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]),
-        "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]),
-        "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]),
-        "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]),
-        "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]),
-        "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]),
-        "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]),
-        "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+      : DSV4RT_D256(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+// d += A B, m64n256k16: A (64 rows) K-major in shared memory (128-byte swizzle), B N-major in shared memory.
+__device__ __forceinline__ void wgmma_ss_m64n256_tb(float (&d)[32][4], uint64_t da, uint64_t db) {
+  DSV4RT_WGMMA(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+      : DSV4RT_D256(d)
+      : "l"(da), "l"(db), "r"(1));
 }
 
 // ------------------------------------------------------------------------------------------ tensor-core path
@@ -381,6 +396,65 @@ __device__ __forceinline__ void issue_key(const Src& src, uint32_t stage, uint8_
     *reinterpret_cast<uint2*>(tail + o) = __ldg(reinterpret_cast<const uint2*>(rc.base + rc.whole + o));
 }
 
+// Per key slot, a pipeline over the coming tiles (n[0] the current one, n[1..4] the next ones that may hold keys):
+// s0 is the current tile's row, s1 the next one's; each next() resolves the row two tiles ahead and prefetches it
+// into L2 (its copy or load then reads L2), loads the block id three tiles ahead and the list entry four tiles
+// ahead, so each dependent load has a tile's time to arrive. A thread runs KK key slots g, g + stride, ..; `pf`:
+// whether it issues the prefetches.
+template <int KK>
+struct KeyPipe {
+  int n[5];
+  Src s0[KK], s1[KK];
+  int j2[KK], b2[KK], j3[KK];
+
+  template <int D>
+  __device__ __forceinline__ void start(const SparseAttnArgs& a, const TokenCtx& ctx, int tb, int te, int g,
+                                        int stride, int fp8_bytes, bool pf) {
+    n[0] = next_tile(a, ctx, tb, te);
+#pragma unroll
+    for (int i = 1; i < 5; ++i) n[i] = next_tile(a, ctx, n[i - 1] + 1, te);
+#pragma unroll
+    for (int h = 0; h < KK; ++h) {
+      const int key = g + h * stride;
+      int j[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) j[i] = load_j(a, ctx, n[i] * kNT + key, n[i] < te);
+      int b[3];
+#pragma unroll
+      for (int i = 0; i < 3; ++i) b[i] = load_blk(a, ctx, n[i] * kNT + key, j[i]);
+      s0[h] = resolve(a, ctx, n[0] * kNT + key, j[0], b[0]);
+      s1[h] = n[1] < te ? resolve(a, ctx, n[1] * kNT + key, j[1], b[1]) : Src{nullptr, kKindNone, nullptr};
+      if (pf) prefetch_key<D>(s1[h], fp8_bytes);
+      j2[h] = j[2];
+      b2[h] = b[2];
+      j3[h] = j[3];
+    }
+  }
+
+  // to the next tile: s0 <- s1, and the loads of the later tiles issued
+  template <int D>
+  __device__ __forceinline__ void next(const SparseAttnArgs& a, const TokenCtx& ctx, int te, int g, int stride,
+                                       int fp8_bytes, bool pf) {
+    const int n5 = next_tile(a, ctx, n[4] + 1, te);
+#pragma unroll
+    for (int h = 0; h < KK; ++h) {
+      const int key = g + h * stride;
+      const Src s2 = n[2] < te ? resolve(a, ctx, n[2] * kNT + key, j2[h], b2[h]) : Src{nullptr, kKindNone, nullptr};
+      if (pf) prefetch_key<D>(s2, fp8_bytes);
+      const int b3 = load_blk(a, ctx, n[3] * kNT + key, j3[h]);
+      const int j4 = load_j(a, ctx, n[4] * kNT + key, n[4] < te);
+      s0[h] = s1[h];
+      s1[h] = s2;
+      j2[h] = j3[h];
+      b2[h] = b3;
+      j3[h] = j4;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) n[i] = n[i + 1];
+    n[4] = n5;
+  }
+};
+
 // Staging tile (raw rows) -> swizzled fp16 K tile; absent keys become zero rows. A thread takes one key and every
 // (kThreads / kNT)-th 64-dim atom of it (the lanes of a warp: 32 consecutive keys, one atom): an FP8 atom is one
 // scale block (its scale read once), the rope atom of an FP8 row and the atoms of a bf16 row are 128 contiguous
@@ -431,25 +505,13 @@ __device__ __forceinline__ void convert_tile(const uint8_t* stage, uint8_t* kdst
   }
 }
 
-// The warp pair's halves of S summed (both warps form the same sum: fp32 addition commutes), absent keys masked,
-// scaled to log2 units; online softmax over rows g and g + 8 of the warp's 16 heads; returns P in s and rescales acc.
+// Online softmax over rows g and g + 8 of a warp's 16 heads, S complete: absent keys masked, scaled to log2 units;
+// returns P in s, rescales acc and gives the rows' rescale factors (al0, al1).
 template <int NTILES>
-__device__ __forceinline__ void softmax_tile(float (&s)[8][4], float (&acc)[NTILES][4], float* xs, const uint8_t* kinds,
-                                             float& m0, float& m1, float& l0, float& l1, float sc2, int warp,
-                                             int partner, int bar_id, int lane) {
+__device__ __forceinline__ void softmax_rows(float (&s)[8][4], float (&acc)[NTILES][4], const uint8_t* kinds,
+                                             float& m0, float& m1, float& l0, float& l1, float& al0, float& al1,
+                                             float sc2, int lane) {
   const int tig = lane & 3;
-  float* mine = xs + warp * 1024;
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) mine[(j * 4 + e) * 32 + lane] = s[j][e];
-  bar_sync(bar_id, 64);
-  const float* other = xs + partner * 1024;
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[j][e] += other[(j * 4 + e) * 32 + lane];
-
   const uint32_t vlo = __ballot_sync(0xffffffffu, kinds[lane] != 0);
   const uint32_t vhi = __ballot_sync(0xffffffffu, kinds[lane + 32] != 0);
   float mx0 = kNegInf, mx1 = kNegInf;
@@ -471,7 +533,8 @@ __device__ __forceinline__ void softmax_tile(float (&s)[8][4], float (&acc)[NTIL
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
   const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
   const float mu0 = mn0 == kNegInf ? 0.0f : mn0, mu1 = mn1 == kNegInf ? 0.0f : mn1;  // no key yet: all p = 0
-  const float al0 = fast_exp2(m0 - mu0), al1 = fast_exp2(m1 - mu1);
+  al0 = fast_exp2(m0 - mu0);
+  al1 = fast_exp2(m1 - mu1);
   m0 = mn0;
   m1 = mn1;
   float rs0 = 0.0f, rs1 = 0.0f;
@@ -494,6 +557,26 @@ __device__ __forceinline__ void softmax_tile(float (&s)[8][4], float (&acc)[NTIL
     acc[n][2] *= al1;
     acc[n][3] *= al1;
   }
+}
+
+// The warp pair's halves of S summed (both warps form the same sum: fp32 addition commutes), then softmax_rows.
+template <int NTILES>
+__device__ __forceinline__ void softmax_tile(float (&s)[8][4], float (&acc)[NTILES][4], float* xs, const uint8_t* kinds,
+                                             float& m0, float& m1, float& l0, float& l1, float sc2, int warp,
+                                             int partner, int bar_id, int lane) {
+  float* mine = xs + warp * 1024;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) mine[(j * 4 + e) * 32 + lane] = s[j][e];
+  bar_sync(bar_id, 64);
+  const float* other = xs + partner * 1024;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] += other[(j * 4 + e) * 32 + lane];
+  float al0, al1;
+  softmax_rows<NTILES>(s, acc, kinds, m0, m1, l0, l1, al0, al1, sc2, lane);
 }
 
 // P (rows g, g + 8; keys 16 kk ..) as the A fragment of a k16 step.
@@ -584,6 +667,35 @@ __device__ __forceinline__ void compute_tile_wg(uint32_t q_s, uint32_t k_s, cons
     for (int e = 0; e < 4; ++e) fence_reg(acc[n][e]);
 }
 
+// Q rows of head group hg of token t as fp16 (rows past H: zeros) into the swizzled Q tile, by the math threads.
+// 16-byte chunks a thread, in rounds of loads issued before their first use: all 16 at once in the wgmma kernels
+// (registers are free here), 8 in the mma.sync kernels (16 spill in their 16-head variant).
+template <int D, int MT, bool WG>
+__device__ __forceinline__ void stage_q(const SparseAttnArgs& a, int64_t t, int hg, uint8_t* qd, int tid) {
+  using C = MmaCfg<D, MT>;
+  const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(a.q);
+  constexpr int kPer = C::kRows * C::kChunks / C::kThreads, kMaxRound = WG ? 16 : 8;
+  constexpr int kRound = kPer < kMaxRound ? kPer : kMaxRound;
+  static_assert(C::kRows * C::kChunks % C::kThreads == 0 && kPer % kRound == 0, "Q chunks");
+#pragma unroll 1
+  for (int i0 = 0; i0 < kPer; i0 += kRound) {
+    uint4 v[kRound];
+#pragma unroll
+    for (int i = 0; i < kRound; ++i) {
+      const int idx = tid + (i0 + i) * C::kThreads, row = idx / C::kChunks, c = idx % C::kChunks;
+      const int h = hg * C::kRows + row;
+      v[i] = h < a.heads ? *reinterpret_cast<const uint4*>(qb + t * a.q_stride_t +
+                                                            static_cast<int64_t>(h) * a.q_stride_h + c * 8)
+                         : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < kRound; ++i) {
+      const int idx = tid + (i0 + i) * C::kThreads, row = idx / C::kChunks, c = idx % C::kChunks;
+      *reinterpret_cast<uint4*>(qd + swz<C::kRows>(row, c)) = bf16x8_to_half8(v[i]);
+    }
+  }
+}
+
 // Named barriers of the tensor-core kernel (1 .. 4: the softmax's warp pairs, see compute_tile): the math warps
 // arrive at kBarFree when they have converted a tile (the staging slots are free again) and the gather threads wait
 // there; kBarMath orders the math warps alone. A staged tile is signalled by the staging mbarrier.
@@ -645,56 +757,18 @@ __global__ void __launch_bounds__(MmaCfg<D, MT>::kCtaThreads, 1)
     constexpr int kK = C::kKeysPerThread;
     const int fp8_bytes = exp_off + nope / kFp8Block;  // an FP8 row: values, rope, scales
     const uint32_t stage = smem_u32(smem + C::kStageOff);
-    // Per key, a pipeline over the coming tiles: this tile's row is copied, the row two tiles ahead resolved and
-    // prefetched into L2 (the copy then reads L2), the block id three tiles ahead and the list entry four tiles
-    // ahead loaded. Each dependent load has a tile's time to arrive; the copies of a tile go out (and the thread
-    // arrives) before the waits for the others.
-    int n[5];
-    n[0] = next_tile(a, ctx, tb, te);
-#pragma unroll
-    for (int i = 1; i < 5; ++i) n[i] = next_tile(a, ctx, n[i - 1] + 1, te);
-    Src s0[kK], s1[kK];
-    int j3[kK], b2[kK], j2[kK];
-#pragma unroll
-    for (int h = 0; h < kK; ++h) {
-      const int key = g + h * C::kIssueThreads;
-      int j[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) j[i] = load_j(a, ctx, n[i] * kNT + key, n[i] < te);
-      int b[3];
-#pragma unroll
-      for (int i = 0; i < 3; ++i) b[i] = load_blk(a, ctx, n[i] * kNT + key, j[i]);
-      s0[h] = resolve(a, ctx, n[0] * kNT + key, j[0], b[0]);
-      s1[h] = n[1] < te ? resolve(a, ctx, n[1] * kNT + key, j[1], b[1]) : Src{nullptr, kKindNone, nullptr};
-      prefetch_key<D>(s1[h], fp8_bytes);
-      j2[h] = j[2];
-      b2[h] = b[2];
-      j3[h] = j[3];
-    }
-    for (int it = 0; n[0] < te; ++it) {
+    // Per key, KeyPipe: this tile's row is copied; the copies of a tile go out (and the thread arrives) before the
+    // pipeline's waits for the later tiles' indices.
+    KeyPipe<kK> kp;
+    kp.template start<D>(a, ctx, tb, te, g, C::kIssueThreads, fp8_bytes, true);
+    for (int it = 0; kp.n[0] < te; ++it) {
       if (it > 0) bar_sync(kBarFree, C::kThreads + C::kIssueThreads);
 #pragma unroll
       for (int h = 0; h < kK; ++h)
-        issue_key<D, MT>(s0[h], stage, smem + C::kStageOff, kinds + (it & 1) * kNT, g + h * C::kIssueThreads,
+        issue_key<D, MT>(kp.s0[h], stage, smem + C::kStageOff, kinds + (it & 1) * kNT, g + h * C::kIssueThreads,
                          fp8_bytes, staged_bar);
       mbar_arrive(staged_bar);
-      const int n5 = next_tile(a, ctx, n[4] + 1, te);
-#pragma unroll
-      for (int h = 0; h < kK; ++h) {
-        const int key = g + h * C::kIssueThreads;
-        const Src s2 = n[2] < te ? resolve(a, ctx, n[2] * kNT + key, j2[h], b2[h]) : Src{nullptr, kKindNone, nullptr};
-        prefetch_key<D>(s2, fp8_bytes);
-        const int b3 = load_blk(a, ctx, n[3] * kNT + key, j3[h]);
-        const int j4 = load_j(a, ctx, n[4] * kNT + key, n[4] < te);
-        s0[h] = s1[h];
-        s1[h] = s2;
-        j2[h] = j3[h];
-        b2[h] = b3;
-        j3[h] = j4;
-      }
-#pragma unroll
-      for (int i = 0; i < 4; ++i) n[i] = n[i + 1];
-      n[4] = n5;
+      kp.template next<D>(a, ctx, te, g, C::kIssueThreads, fp8_bytes, true);
     }
     return;
   }
@@ -710,32 +784,8 @@ __global__ void __launch_bounds__(MmaCfg<D, MT>::kCtaThreads, 1)
 
   int cur = next_tile(a, ctx, tb, te);
   if (cur < te) {
-    {  // Q rows of the head group as fp16 (rows past H: zeros), while the gather threads stage the first tile
-      const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(a.q);
-      uint8_t* qd = smem + C::kQOff;
-      // 16-byte chunks a thread, in rounds of loads issued before their first use: all 16 at once in the wgmma
-      // kernel (registers are free here), 8 in the mma.sync kernels (16 spill in their 16-head variant)
-      constexpr int kPer = C::kRows * C::kChunks / C::kThreads, kMaxRound = WG ? 16 : 8;
-      constexpr int kRound = kPer < kMaxRound ? kPer : kMaxRound;
-      static_assert(C::kRows * C::kChunks % C::kThreads == 0 && kPer % kRound == 0, "Q chunks");
-#pragma unroll 1
-      for (int i0 = 0; i0 < kPer; i0 += kRound) {
-        uint4 v[kRound];
-#pragma unroll
-        for (int i = 0; i < kRound; ++i) {
-          const int idx = tid + (i0 + i) * C::kThreads, row = idx / C::kChunks, c = idx % C::kChunks;
-          const int h = hg * C::kRows + row;
-          v[i] = h < a.heads ? *reinterpret_cast<const uint4*>(qb + t * a.q_stride_t +
-                                                                static_cast<int64_t>(h) * a.q_stride_h + c * 8)
-                             : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int i = 0; i < kRound; ++i) {
-          const int idx = tid + (i0 + i) * C::kThreads, row = idx / C::kChunks, c = idx % C::kChunks;
-          *reinterpret_cast<uint4*>(qd + swz<C::kRows>(row, c)) = bf16x8_to_half8(v[i]);
-        }
-      }
-    }
+    // Q rows of the head group as fp16, while the gather threads stage the first tile
+    stage_q<D, MT, WG>(a, t, hg, smem + C::kQOff, tid);
     int n1 = next_tile(a, ctx, cur + 1, te);
     for (int it = 0; cur < te; ++it) {
       const int par = it & 1;
@@ -816,6 +866,308 @@ __global__ void __launch_bounds__(MmaCfg<D, MT>::kCtaThreads, 1)
       *reinterpret_cast<uint4*>(o + row * D + c * 8) =
           *reinterpret_cast<const uint4*>(ost + row * D * 2 + ((c ^ (row & 7)) << 4));
     }
+  }
+}
+
+// ---- the producer-consumer kernel (64 heads of D = 512, sm_90a): three warpgroups, two fp16 K tiles.
+// Warpgroup 0: S = Q K^T over all of D (32 x m64n64k16, no exchange), the online softmax, P to shared memory with
+// the rows' rescale factors, then acc += P V over output columns 0 .. 255 (P from registers).
+// Warpgroup 1: rescales its acc by those factors, acc += P V over columns 256 .. 511 (P from shared memory); its
+// product of tile i runs while warpgroup 0 computes S of tile i + 1.
+// Warpgroup 2 (the producer): two threads a key (the 16-byte chunks of its fp16 row of one parity each) resolve the
+// tile's rows (KeyPipe: rows prefetched into L2 two tiles ahead), load them raw, convert them into the free K tile
+// and mark it full. So the math warps never convert, and a tile's conversion runs while the one before is computed.
+// mbarriers: full[b] (the producer's 128 threads), empty[b] (the 256 math threads, once their products have read K
+// tile b), pfull[b] (warpgroup 0), pempty[b] (warpgroup 1) for the two P tiles; tile it uses K and P tile it & 1.
+struct PcCfg {
+  static constexpr int kThreads = 384;
+  static constexpr int kKBytes = kNT * 1024;               // an fp16 K tile [8 atoms][64][128 B]
+  static constexpr int kQOff = 0;                          // Q [8 atoms][64 heads][128 B]
+  static constexpr int kKOff = kQOff + 64 * 1024;          // 2 K tiles
+  static constexpr int kPOff = kKOff + 2 * kKBytes;        // 2 P tiles [64 heads][128 B]
+  static constexpr int kAlphaOff = kPOff + 2 * 64 * 128;   // 2 x 64 row factors
+  static constexpr int kMlOff = kAlphaOff + 2 * 64 * 4;    // 64 x (max, sum): warpgroup 0 -> 1 at the end
+  static constexpr int kKindOff = kMlOff + 64 * 8;         // 2 x 64 key kinds
+  static constexpr int kBarOff = kKindOff + 2 * kNT;       // full[2], empty[2], pfull[2], pempty[2]
+  static constexpr int kSmem = kBarOff + 8 * 8 + 1024;     // + alignment of the base to 1024 bytes
+  // registers a thread: 168 x 384 = 64512 = 128 x (216 + 160 + 128)
+  static constexpr int kRegsS = 216, kRegsPV = 160, kRegsProd = 128;
+};
+
+// The producer's part of a tile: key `key`'s 16-byte fp16 chunks of parity `half` (32 of the row's 64) from its raw
+// row into K tile kd. FP8 rows in one round of 8-byte loads (the scales in one more); bf16 rows in two rounds of
+// 16-byte loads (the registers); absent keys as zeros.
+__device__ __forceinline__ void pc_convert_key(const Src& src, uint8_t* kd, int key, int half, int nope, int exp_off) {
+  if (src.kind == kKindFp8) {
+    const uint8_t* row = src.ptr;
+    uint2 raw[36];
+#pragma unroll
+    for (int i = 0; i < 28; ++i) raw[i] = __ldg(reinterpret_cast<const uint2*>(row + 8 * (2 * i + half)));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint2* r = reinterpret_cast<const uint2*>(row + nope + 16 * (2 * i + half));
+      raw[28 + 2 * i] = __ldg(r);
+      raw[29 + 2 * i] = __ldg(r + 1);
+    }
+    const uint2 sc = __ldg(reinterpret_cast<const uint2*>(row + exp_off));
+#pragma unroll
+    for (int at = 0; at < 7; ++at) {
+      const uint32_t byte = ((at < 4 ? sc.x : sc.y) >> (8 * (at & 3))) & 0xFFu;
+      const __half h = __float2half_rn(scale_from_byte(byte));
+      const __half2 s2 = __half2(h, h);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int i = 4 * at + k;
+        *reinterpret_cast<uint4*>(kd + swz<kNT>(key, 2 * i + half)) = fp8x8_to_half8(raw[i], s2);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint2 lo = raw[28 + 2 * i], hi = raw[29 + 2 * i];
+      *reinterpret_cast<uint4*>(kd + swz<kNT>(key, 56 + 2 * i + half)) =
+          bf16x8_to_half8(make_uint4(lo.x, lo.y, hi.x, hi.y));
+    }
+  } else if (src.kind == kKindBf16) {
+    const uint4* row = reinterpret_cast<const uint4*>(src.ptr);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      uint4 v[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[i] = __ldg(row + 2 * (16 * r + i) + half);
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+        *reinterpret_cast<uint4*>(kd + swz<kNT>(key, 2 * (16 * r + i) + half)) = bf16x8_to_half8(v[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) *reinterpret_cast<uint4*>(kd + swz<kNT>(key, 2 * i + half)) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// What the three warpgroups of a CTA of the producer-consumer kernel share.
+struct PcCta {
+  TokenCtx ctx;
+  int64_t t;
+  int hg, split, n_splits, tb, te, nope, exp_off;
+  uint8_t* smem;
+  uint32_t bars;  // full[2], empty[2], pfull[2], pempty[2]
+  __device__ __forceinline__ uint32_t full(int b) const { return bars + 8 * b; }
+  __device__ __forceinline__ uint32_t empty(int b) const { return bars + 16 + 8 * b; }
+  __device__ __forceinline__ uint32_t pfull(int b) const { return bars + 32 + 8 * b; }
+  __device__ __forceinline__ uint32_t pempty(int b) const { return bars + 48 + 8 * b; }
+};
+
+__device__ __forceinline__ void pc_produce(const SparseAttnArgs& a, const PcCta& c, int g) {
+  const int key = g >> 1, half = g & 1;
+  const int fp8_bytes = c.exp_off + c.nope / kFp8Block;
+  uint8_t* kinds = c.smem + PcCfg::kKindOff;
+  KeyPipe<1> kp;
+  kp.start<512>(a, c.ctx, c.tb, c.te, key, 0, fp8_bytes, half == 0);
+  for (int it = 0; kp.n[0] < c.te; ++it) {
+    const int b = it & 1;
+    if (it >= 2) mbar_wait(c.empty(b), ((it >> 1) + 1) & 1);  // tile it - 2's products are done with K tile b
+    pc_convert_key(kp.s0[0], c.smem + PcCfg::kKOff + b * PcCfg::kKBytes, key, half, c.nope, c.exp_off);
+    if (half == 0) kinds[b * kNT + key] = static_cast<uint8_t>(kp.s0[0].kind);
+    fence_async_smem();  // the tensor cores read the tile through the async proxy
+    mbar_arrive(c.full(b));
+    kp.next<512>(a, c.ctx, c.te, key, 0, fp8_bytes, half == 0);
+  }
+}
+
+// Math warpgroup W (0: S, softmax and the left half of P V; 1: the right half), from Q staging to the output. Each
+// warpgroup runs its own inlined copy (no code shared after setmaxnreg: each keeps its own register budget).
+template <int W>
+__device__ __forceinline__ void pc_math(const SparseAttnArgs& a, const PcCta& c, int tid) {
+  using P = PcCfg;
+  constexpr int kAtom = 64 * 128;  // bytes of one 64-dim atom of Q, of a K tile
+  uint8_t* smem = c.smem;
+  const int lane = tid & 31, warp = tid >> 5;
+  stage_q<512, 4, true>(a, c.t, c.hg, smem + P::kQOff, tid);
+  fence_async_smem();
+  bar_sync(kBarMath, 256);  // Q complete
+
+  const uint8_t* kinds = smem + P::kKindOff;
+  const uint32_t q_s = smem_u32(smem + P::kQOff), k_s = smem_u32(smem + P::kKOff), p_s = smem_u32(smem + P::kPOff);
+  float* alpha = reinterpret_cast<float*>(smem + P::kAlphaOff);
+  float* ml_s = reinterpret_cast<float*>(smem + P::kMlOff);
+  const int mt = warp & 3, g = lane >> 2, tig = lane & 3;
+  const int r0 = mt * 16 + g;  // the thread's accumulator rows: r0 and r0 + 8
+  float acc[32][4];
+#pragma unroll
+  for (int n = 0; n < 32; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  float m0 = kNegInf, m1 = kNegInf, l0 = 0.0f, l1 = 0.0f;
+  const float sc2 = a.scale * kLog2e;
+
+  int it = 0;
+  for (int cur = next_tile(a, c.ctx, c.tb, c.te); cur < c.te; cur = next_tile(a, c.ctx, cur + 1, c.te), ++it) {
+    const int b = it & 1;
+    const uint32_t par = (it >> 1) & 1;
+    const uint32_t kb = k_s + b * P::kKBytes, pb = p_s + b * 64 * 128;
+    mbar_wait(c.full(b), par);
+    if constexpr (W == 0) {
+      float s[8][4];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < 32; ++ks) {
+        const int atom = ks >> 2, kin = (ks & 3) * 32;
+        wgmma_ss_m64n64(s, smem_desc(q_s + atom * kAtom + kin, 16, 1024), smem_desc(kb + atom * kAtom + kin, 16, 1024),
+                        ks > 0);
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) fence_reg(s[j][e]);
+      float al0, al1;
+      softmax_rows<32>(s, acc, kinds + b * kNT, m0, m1, l0, l1, al0, al1, sc2, lane);
+      uint32_t pa[4][4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) p_fragment(s, kk, pa[kk]);
+      if (it >= 2) mbar_wait(c.pempty(b), ((it >> 1) + 1) & 1);  // warpgroup 1 is done with P tile b
+      uint8_t* pd = smem + P::kPOff + b * 64 * 128;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {  // keys 16 kk + 2 tig (+ 1; + 8, + 9) of rows r0, r0 + 8
+        *reinterpret_cast<uint32_t*>(pd + swz<64>(r0, 2 * kk) + 4 * tig) = pa[kk][0];
+        *reinterpret_cast<uint32_t*>(pd + swz<64>(r0 + 8, 2 * kk) + 4 * tig) = pa[kk][1];
+        *reinterpret_cast<uint32_t*>(pd + swz<64>(r0, 2 * kk + 1) + 4 * tig) = pa[kk][2];
+        *reinterpret_cast<uint32_t*>(pd + swz<64>(r0 + 8, 2 * kk + 1) + 4 * tig) = pa[kk][3];
+      }
+      if (tig == 0) {
+        alpha[b * 64 + r0] = al0;
+        alpha[b * 64 + r0 + 8] = al1;
+      }
+      fence_async_smem();  // warpgroup 1 reads P through the async proxy
+      mbar_arrive(c.pfull(b));
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_rs_m64n256_tb(acc, pa[kk], smem_desc(kb + kk * 16 * 128, kAtom, 1024));
+      wgmma_commit();
+      wgmma_wait_all();
+    } else {
+      mbar_wait(c.pfull(b), par);
+      const float al0 = alpha[b * 64 + r0], al1 = alpha[b * 64 + r0 + 8];
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        acc[n][0] *= al0;
+        acc[n][1] *= al0;
+        acc[n][2] *= al1;
+        acc[n][3] *= al1;
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_ss_m64n256_tb(acc, smem_desc(pb + kk * 32, 16, 1024),
+                            smem_desc(kb + 4 * kAtom + kk * 16 * 128, kAtom, 1024));
+      wgmma_commit();
+      wgmma_wait_all();
+      mbar_arrive(c.pempty(b));
+    }
+#pragma unroll
+    for (int n = 0; n < 32; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) fence_reg(acc[n][e]);
+    mbar_arrive(c.empty(b));
+  }
+
+  // (max, sum) of the rows from warpgroup 0 to 1; finish with the sink, or write the split's partial rows
+  if constexpr (W == 0) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    if (tig == 0) {
+      ml_s[2 * r0] = m0;
+      ml_s[2 * r0 + 1] = l0;
+      ml_s[2 * (r0 + 8)] = m1;
+      ml_s[2 * (r0 + 8) + 1] = l1;
+    }
+  }
+  bar_sync(kBarMath, 256);  // (max, sum) published; every product is done with the K tiles
+  uint8_t* ost = smem + P::kKOff;  // the output tile [64][512] bf16, 16-byte chunks xor-ed by row
+  const int col = W * 256 + 2 * tig;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = r0 + 8 * r, h = c.hg * 64 + row;
+    if (h >= a.heads) continue;
+    const float m = ml_s[2 * row], l = ml_s[2 * row + 1];
+    if (c.n_splits == 1) {
+      const float sink2 = a.sinks[h] * kLog2e;
+      const float mm = fmaxf(m, sink2);
+      const float f = exp2f(m - mm);
+      const float inv = f / (l * f + exp2f(sink2 - mm));
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        const int cc = col + n * 8;
+        *reinterpret_cast<__nv_bfloat162*>(ost + row * 1024 + (((cc >> 3) ^ (row & 7)) << 4) + 2 * (cc & 7)) =
+            __floats2bfloat162_rn(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+      }
+    } else {
+      const int64_t prow = (c.t * c.n_splits + c.split) * a.heads + h;
+      float* mlw = a.workspace + a.n_tokens * c.n_splits * a.heads * 512;
+      if (W == 0 && tig == 0) {
+        mlw[2 * prow] = m;
+        mlw[2 * prow + 1] = l;
+      }
+      if (m != kNegInf) {  // a split without keys leaves its acc row unwritten: the combine skips it
+        float* w = a.workspace + prow * 512 + col;
+#pragma unroll
+        for (int n = 0; n < 32; ++n)
+          *reinterpret_cast<float2*>(w + n * 8) = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
+      }
+    }
+  }
+  if (c.n_splits == 1) {
+    bar_sync(kBarMath, 256);
+    const int rows = a.heads - c.hg * 64 < 64 ? a.heads - c.hg * 64 : 64;
+    __nv_bfloat16* o = static_cast<__nv_bfloat16*>(a.out) + (c.t * a.heads + c.hg * 64) * 512;
+    for (int idx = tid; idx < rows * 64; idx += 256) {
+      const int row = idx >> 6, cc = idx & 63;
+      *reinterpret_cast<uint4*>(o + row * 512 + cc * 8) =
+          *reinterpret_cast<const uint4*>(ost + row * 1024 + ((cc ^ (row & 7)) << 4));
+    }
+  }
+}
+
+__global__ void __launch_bounds__(PcCfg::kThreads, 1) sparse_attn_pc_kernel(const SparseAttnArgs a, int max_tiles) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const int tid = threadIdx.x, wg = tid >> 7;
+  PcCta c;
+  c.smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  const int n_hg = (a.heads + 63) / 64;
+  c.t = blockIdx.x / n_hg;
+  c.hg = static_cast<int>(blockIdx.x % n_hg);
+  c.split = blockIdx.y;
+  c.n_splits = gridDim.y;
+  c.ctx = token_ctx(a, c.t);
+  const int tps = (max_tiles + c.n_splits - 1) / c.n_splits;
+  c.tb = c.split * tps;
+  const int n_tiles = (c.ctx.end_slot + kNT - 1) / kNT;
+  c.te = c.tb + tps < n_tiles ? c.tb + tps : n_tiles;
+  c.nope = 512 - a.rope_dim;
+  c.exp_off = c.nope + 2 * a.rope_dim;
+  c.bars = smem_u32(c.smem + PcCfg::kBarOff);
+  if (tid == 0) {
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(c.full(b), 128);
+      mbar_init(c.empty(b), 256);
+      mbar_init(c.pfull(b), 128);
+      mbar_init(c.pempty(b), 128);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (wg == 0) {
+    reg_alloc<PcCfg::kRegsS>();
+    pc_math<0>(a, c, tid);
+  } else if (wg == 1) {
+    reg_dealloc<PcCfg::kRegsPV>();
+    pc_math<1>(a, c, tid);
+  } else {
+    reg_dealloc<PcCfg::kRegsProd>();
+    pc_produce(a, c, tid - 256);
   }
 }
 
@@ -1047,16 +1399,35 @@ int max_tiles(const SparseAttnArgs& a) {
   return static_cast<int>(n < 1 ? 1 : n);
 }
 
-// wgmma for 64-head groups of D = 512 (sm_90a); DSV4RT_ATTN_MMA=sync forces the mma.sync kernel (comparisons).
-bool use_wgmma(const SparseAttnArgs& a) {
-  if (a.dim != 512 || mt_for(a) != 4) return false;
+// wgmma for 64-head groups of D = 512 (sm_90a): kPc where the producer-consumer kernel may run (a 64-dim rope),
+// else kSplit (the split-D kernel). DSV4RT_ATTN_MMA (tests, comparisons): `pc` or `split` forces that kernel,
+// `sync` the mma.sync one.
+enum class Wg { kNone, kSplit, kPc };
+Wg wg_kind(const SparseAttnArgs& a) {
+  if (a.dim != 512 || mt_for(a) != 4) return Wg::kNone;
   const char* env = std::getenv("DSV4RT_ATTN_MMA");
-  if (env != nullptr && std::strcmp(env, "sync") == 0) return false;
+  if (env != nullptr && std::strcmp(env, "sync") == 0) return Wg::kNone;
   int dev = 0, major = 0, minor = 0;
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-  return major == 9 && minor == 0;
+  if (major != 9 || minor != 0) return Wg::kNone;
+  if (a.rope_dim != 64 || (env != nullptr && std::strcmp(env, "split") == 0)) return Wg::kSplit;
+  return Wg::kPc;
+}
+bool use_wgmma(const SparseAttnArgs& a) { return wg_kind(a) != Wg::kNone; }  // either wgmma kernel: 1 CTA an SM
+
+// Tiles a CTA must take for the producer-consumer kernel to run: its producer loads and converts a CTA's first tile
+// before the math can start (the split-D kernel's copies are asynchronous), which costs more than its overlap saves
+// when a CTA takes few tiles. H200, the split-D kernel against it: batch 128 (10 tiles a CTA) 44.0 against 41.4-42.1
+// us; the decode step at batch 1 and 64 (1 to 5 tiles a CTA) 29 and 15 us longer with it.
+constexpr int kPcMinTiles = 8;
+bool use_pc(const SparseAttnArgs& a) {
+  if (wg_kind(a) != Wg::kPc) return false;
+  const char* env = std::getenv("DSV4RT_ATTN_MMA");
+  if (env != nullptr && std::strcmp(env, "pc") == 0) return true;
+  const int ns = a.n_splits > 0 ? a.n_splits : 1;
+  return (max_tiles(a) + ns - 1) / ns >= kPcMinTiles;
 }
 
 template <int D, int MT, bool WG>
@@ -1084,6 +1455,14 @@ int mma_ctas_per_sm(const SparseAttnArgs& a) {
   return mt == 4 ? ctas_per_sm<128, 4, false>() : ctas_per_sm<128, 1, false>();
 }
 
+// The split partials combined (a second kernel), when the call is split.
+cudaError_t launch_combine(const SparseAttnArgs& a, cudaStream_t stream) {
+  if (a.n_splits == 1) return cudaSuccess;
+  const dim3 cgrid(static_cast<unsigned>(a.n_tokens * a.heads), static_cast<unsigned>((a.dim + 127) / 128));
+  sparse_attn_combine_kernel<__nv_bfloat16><<<cgrid, 32 * kCombineWarps, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
 template <int D, int MT, bool WG>
 cudaError_t launch_mma(const SparseAttnArgs& a, cudaStream_t stream) {
   using C = MmaCfg<D, MT>;
@@ -1093,14 +1472,24 @@ cudaError_t launch_mma(const SparseAttnArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(a.n_tokens * n_hg), static_cast<unsigned>(a.n_splits));
   sparse_attn_mma_kernel<D, MT, WG><<<grid, C::kCtaThreads, C::kSmem, stream>>>(a, max_tiles(a));
   err = cudaGetLastError();
-  if (err != cudaSuccess || a.n_splits == 1) return err;
-  const dim3 cgrid(static_cast<unsigned>(a.n_tokens * a.heads), static_cast<unsigned>((a.dim + 127) / 128));
-  sparse_attn_combine_kernel<__nv_bfloat16><<<cgrid, 32 * kCombineWarps, 0, stream>>>(a);
-  return cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  return launch_combine(a, stream);
+}
+
+cudaError_t launch_pc(const SparseAttnArgs& a, cudaStream_t stream) {
+  cudaError_t err =
+      cudaFuncSetAttribute(sparse_attn_pc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, PcCfg::kSmem);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(a.n_tokens * ((a.heads + 63) / 64)), static_cast<unsigned>(a.n_splits));
+  sparse_attn_pc_kernel<<<grid, PcCfg::kThreads, PcCfg::kSmem, stream>>>(a, max_tiles(a));
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  return launch_combine(a, stream);
 }
 
 cudaError_t launch_mma_dim(const SparseAttnArgs& a, cudaStream_t stream) {
   const int mt = mt_for(a);
+  if (use_pc(a)) return launch_pc(a, stream);
   if (a.dim == 512) {
     if (mt == 4) return use_wgmma(a) ? launch_mma<512, 4, true>(a, stream) : launch_mma<512, 4, false>(a, stream);
     return launch_mma<512, 1, false>(a, stream);

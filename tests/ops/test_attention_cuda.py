@@ -8,8 +8,9 @@ padded with -1, contexts of many blocks, padded tokens, several requests of diff
 The reference (`sparse_attn_ref`, fp32) runs on the same device tensors. Tolerance: ATTN_TOL x max |reference|
 (2e-3 relative to the output scale; bf16 outputs add one bf16 rounding, 2^-8). The output's memory is poisoned
 (NaN) through the caching allocator before each call, so an unwritten element fails.
-The tensor-core paths run for bf16 q (wgmma for 64-head groups of D = 512 on sm_90a, mma.sync otherwise; the
-mma.sync kernel also at the Flash dims under DSV4RT_ATTN_MMA=sync), the generic fp32 path for float32 / float16 q;
+The tensor-core paths run for bf16 q (for 64-head groups of D = 512 on sm_90a a wgmma kernel: the producer-consumer
+one where CTAs take many tiles, else the split-D one; mma.sync otherwise; each forced at the Flash dims under
+DSV4RT_ATTN_MMA=sync|split|pc), the generic fp32 path for float32 / float16 q;
 key splits (partials + combine) run where the shapes ask for them and, forced by DSV4RT_ATTN_SPLITS, on cases that
 would not split.
 """
@@ -146,9 +147,15 @@ def test_matches_reference_bf16(dims, scenario, mode, fp8):
     check(make_case(d, mode, _scenarios(d)[scenario], fp8, torch.bfloat16))
 
 
+@pytest.mark.parametrize("splits", ["0", "3"])
 @pytest.mark.parametrize("mode,fp8", [("csa", True), ("hca", False), ("sliding", True)])
-def test_mma_sync_kernel_at_flash_dims(monkeypatch, mode, fp8):
-    monkeypatch.setenv("DSV4RT_ATTN_MMA", "sync")
+@pytest.mark.parametrize("kernel", ["sync", "split", "pc"])
+def test_each_tensor_core_kernel_at_flash_dims(monkeypatch, kernel, mode, fp8, splits):
+    # each kernel the Flash dims can take, forced: mma.sync; the split-D wgmma kernel (CTAs of few tiles, D = 512
+    # with another rope width); the producer-consumer one (CTAs of many tiles)
+    monkeypatch.setenv("DSV4RT_ATTN_MMA", kernel)
+    if splits != "0":
+        monkeypatch.setenv("DSV4RT_ATTN_SPLITS", splits)
     check(make_case(FLASH, mode, _scenarios(FLASH)["prefill"], fp8, torch.bfloat16, seed=5))
 
 
@@ -225,10 +232,13 @@ def test_no_visible_key_gives_zero():
     assert torch.equal(out[1:].float(), torch.zeros_like(out[1:].float()))
 
 
+@pytest.mark.parametrize("kernel", ["default", "pc"])
 @pytest.mark.parametrize("mode,fp8", [("csa", True), ("hca", False)])
-def test_graph_replay_with_new_inputs(mode, fp8, capture_graph):
+def test_graph_replay_with_new_inputs(monkeypatch, mode, fp8, kernel, capture_graph):
     """Captured once; replays with new positions, lists, caches and queries equal the reference: nothing about
     the inputs' values is planned on the host."""
+    if kernel != "default":
+        monkeypatch.setenv("DSV4RT_ATTN_MMA", kernel)
     d = FLASH
     shape_kw = dict(table_cols=80, pool_blocks=700, n_pad=1)
     seg_sets = [[(0, 9000, 1), (3, 40, 1), (5, 127, 1), (6, 2000, 1)],
