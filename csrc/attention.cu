@@ -103,13 +103,18 @@ __device__ __forceinline__ bool entry_live(const TokenCtx& c, int window, int sl
   return slot >= window && j >= 0 && j < c.n_vis;
 }
 
+// Entry j >= 0 clamped into the block table (as the reference's clamp), for 32-bit unsigned arithmetic: the
+// producer-consumer kernel's index pipeline is on its critical path, where 64-bit divisions cost a microsecond a tile.
+__device__ __forceinline__ unsigned clamp_entry(const SparseAttnArgs& a, int j) {
+  const int64_t cap = a.bt_cols * a.per_block;
+  return static_cast<unsigned>(j < cap ? j : cap - 1);
+}
+
 // Raw block-table value of entry j (0 when the slot holds no entry key; resolve() clamps it). The clamp is left to
 // the use, a tile later: applied here, it would stand right behind the load and wait for it.
 __device__ __forceinline__ int load_blk(const SparseAttnArgs& a, const TokenCtx& c, int slot, int j) {
   if (!entry_live(c, a.window, slot, j)) return 0;
-  const int64_t cap = a.bt_cols * a.per_block;
-  const int64_t jc = j < cap ? j : cap - 1;  // as the reference's clamp
-  return ld_index(a.block_table + c.r * a.bt_stride + jc / a.per_block);
+  return ld_index(a.block_table + c.r * a.bt_stride + clamp_entry(a, j) / static_cast<unsigned>(a.per_block));
 }
 
 struct Src {
@@ -131,7 +136,7 @@ __device__ __forceinline__ Src resolve(const SparseAttnArgs& a, const TokenCtx& 
       s.end = s.ptr + a.dim * elem_bytes(a.dtype);
     } else {
       s.ptr = static_cast<const uint8_t*>(a.swa_cache) +
-              (static_cast<int64_t>(c.r) * a.window + x % a.window) * a.swa_row_bytes;
+              (static_cast<int64_t>(c.r) * a.window + static_cast<unsigned>(x) % a.window) * a.swa_row_bytes;
       s.kind = a.swa_fmt + 1;
       s.end = static_cast<const uint8_t*>(a.swa_cache) + a.n_slots * a.window * a.swa_row_bytes;
     }
@@ -139,10 +144,9 @@ __device__ __forceinline__ Src resolve(const SparseAttnArgs& a, const TokenCtx& 
   }
   if (!entry_live(c, a.window, slot, j)) return s;
   blk = blk < 0 ? 0 : (blk >= a.n_blocks ? static_cast<int>(a.n_blocks - 1) : blk);  // clamped into the pool
-  const int64_t cap = a.bt_cols * a.per_block;
-  const int64_t jc = j < cap ? j : cap - 1;
+  const unsigned within = clamp_entry(a, j) % static_cast<unsigned>(a.per_block);
   s.ptr = static_cast<const uint8_t*>(a.entry_cache) +
-          (static_cast<int64_t>(blk) * a.per_block + jc % a.per_block) * a.ent_row_bytes;
+          (static_cast<int64_t>(blk) * a.per_block + within) * a.ent_row_bytes;
   s.kind = a.ent_fmt + 1;
   s.end = static_cast<const uint8_t*>(a.entry_cache) + a.n_blocks * a.per_block * a.ent_row_bytes;
   return s;
@@ -874,9 +878,10 @@ __global__ void __launch_bounds__(MmaCfg<D, MT>::kCtaThreads, 1)
 // the rows' rescale factors, then acc += P V over output columns 0 .. 255 (P from registers).
 // Warpgroup 1: rescales its acc by those factors, acc += P V over columns 256 .. 511 (P from shared memory); its
 // product of tile i runs while warpgroup 0 computes S of tile i + 1.
-// Warpgroup 2 (the producer): two threads a key (the 16-byte chunks of its fp16 row of one parity each) resolve the
-// tile's rows (KeyPipe: rows prefetched into L2 two tiles ahead), load them raw, convert them into the free K tile
-// and mark it full. So the math warps never convert, and a tile's conversion runs while the one before is computed.
+// Warpgroup 2 (the producer): two threads a key resolve the tile's rows (KeyPipe: rows prefetched into L2 two tiles
+// ahead); eight lanes a key load them raw (a tile's loads in flight during the index pipeline's step), convert them
+// into the free K tile and mark it full. So the math warps never convert, and a tile's conversion runs while the one
+// before is computed.
 // mbarriers: full[b] (the producer's 128 threads), empty[b] (the 256 math threads, once their products have read K
 // tile b), pfull[b] (warpgroup 0), pempty[b] (warpgroup 1) for the two P tiles; tile it uses K and P tile it & 1.
 struct PcCfg {
@@ -890,57 +895,70 @@ struct PcCfg {
   static constexpr int kKindOff = kMlOff + 64 * 8;         // 2 x 64 key kinds
   static constexpr int kBarOff = kKindOff + 2 * kNT;       // full[2], empty[2], pfull[2], pempty[2]
   static constexpr int kSmem = kBarOff + 8 * 8 + 1024;     // + alignment of the base to 1024 bytes
-  // registers a thread: 168 x 384 = 64512 = 128 x (216 + 160 + 128)
-  static constexpr int kRegsS = 216, kRegsPV = 160, kRegsProd = 128;
+  // registers a thread: 168 x 384 = 64512 = 128 x (192 + 160 + 152)
+  static constexpr int kRegsS = 192, kRegsPV = 160, kRegsProd = 152;
 };
 
-// The producer's part of a tile: key `key`'s 16-byte fp16 chunks of parity `half` (32 of the row's 64) from its raw
-// row into K tile kd. FP8 rows in one round of 8-byte loads (the scales in one more); bf16 rows in two rounds of
-// 16-byte loads (the registers); absent keys as zeros.
-__device__ __forceinline__ void pc_convert_key(const Src& src, uint8_t* kd, int key, int half, int nope, int exp_off) {
-  if (src.kind == kKindFp8) {
-    const uint8_t* row = src.ptr;
-    uint2 raw[36];
+// The producer's rows: 8 lanes a key (u = lane & 7), so that a warp's load touches the lines of 4 rows, not of 32 (the
+// load pipeline handles a warp's lines one at a time: with a key a thread pair, the producer's loads took a microsecond
+// a tile). Lane u of a key takes the fp16 chunks u + 8m of its row, m = 0 .. 7: FP8 rows, the 8-byte pieces u + 8m of
+// the 7 scaled atoms, the two pieces of rope chunk u, and the scales; bf16 rows, the 16-byte chunks u + 8m. So each
+// store of a warp fills 4 whole 128-byte rows of an atom (no bank conflict). pc_load_pass issues the loads of one key a
+// key group (a pass), pc_store_pass converts and stores them; absent keys become zeros. The pc kernel runs D = 512
+// with a 64-dim rope only (use_pc): FP8 rows are 448 scaled dims, 64 bf16 rope dims at 448, 7 scale bytes at 576.
+constexpr int kPcNope = 448, kPcExpOff = 576;
+
+// Pass registers: N 16-byte words. FP8 rows take 5 (the pieces u + 8m, m < 7, the rope chunk's two pieces, the
+// scales); bf16 rows the chunks u + 8m, m < N, loaded ahead, the others (N < 8) loaded by pc_store_pass.
+template <int N>
+__device__ __forceinline__ void pc_load_pass(int kind, const uint8_t* row, int u, uint4 (&v)[N]) {
+  if (kind == kKindFp8) {
+    uint2 x[10];
 #pragma unroll
-    for (int i = 0; i < 28; ++i) raw[i] = __ldg(reinterpret_cast<const uint2*>(row + 8 * (2 * i + half)));
+    for (int m = 0; m < 7; ++m) x[m] = __ldg(reinterpret_cast<const uint2*>(row + 8 * (u + 8 * m)));
+    x[7] = __ldg(reinterpret_cast<const uint2*>(row + kPcNope + 16 * u));
+    x[8] = __ldg(reinterpret_cast<const uint2*>(row + kPcNope + 16 * u + 8));
+    x[9] = __ldg(reinterpret_cast<const uint2*>(row + kPcExpOff));
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint2* r = reinterpret_cast<const uint2*>(row + nope + 16 * (2 * i + half));
-      raw[28 + 2 * i] = __ldg(r);
-      raw[29 + 2 * i] = __ldg(r + 1);
+    for (int i = 0; i < 5; ++i) v[i] = make_uint4(x[2 * i].x, x[2 * i].y, x[2 * i + 1].x, x[2 * i + 1].y);
+  } else if (kind == kKindBf16) {
+#pragma unroll
+    for (int m = 0; m < N; ++m) v[m] = __ldg(reinterpret_cast<const uint4*>(row) + u + 8 * m);
+  }
+}
+
+// Called by all lanes of the warp together (the atoms' scales pass between the lanes of a key group).
+template <int N>
+__device__ __forceinline__ void pc_store_pass(int kind, const uint8_t* row, const uint4 (&v)[N], uint8_t* kd, int key,
+                                              int lane) {
+  const int u = lane & 7;
+  // lane u's scale is atom u's (as fp16 pairs), atom m's comes from lane m of the group
+  const uint32_t byte = ((u < 4 ? v[4].z : v[4].w) >> (8 * (u & 3))) & 0xFFu;
+  const __half h = __float2half_rn(scale_from_byte(byte));
+  const __half2 h2 = __half2(h, h);
+  const uint32_t own = *reinterpret_cast<const uint32_t*>(&h2);
+  uint32_t sc[7];
+#pragma unroll
+  for (int m = 0; m < 7; ++m) sc[m] = __shfl_sync(0xffffffffu, own, (lane & ~7) | m);
+  if (kind == kKindFp8) {
+#pragma unroll
+    for (int m = 0; m < 7; ++m) {
+      const uint4 w = v[m >> 1];
+      const uint2 piece = m & 1 ? make_uint2(w.z, w.w) : make_uint2(w.x, w.y);
+      *reinterpret_cast<uint4*>(kd + swz<kNT>(key, u + 8 * m)) =
+          fp8x8_to_half8(piece, *reinterpret_cast<const __half2*>(&sc[m]));
     }
-    const uint2 sc = __ldg(reinterpret_cast<const uint2*>(row + exp_off));
+    *reinterpret_cast<uint4*>(kd + swz<kNT>(key, 56 + u)) = bf16x8_to_half8(make_uint4(v[3].z, v[3].w, v[4].x, v[4].y));
+  } else if (kind == kKindBf16) {
+    uint4 w[N < 8 ? 8 - N : 1];
 #pragma unroll
-    for (int at = 0; at < 7; ++at) {
-      const uint32_t byte = ((at < 4 ? sc.x : sc.y) >> (8 * (at & 3))) & 0xFFu;
-      const __half h = __float2half_rn(scale_from_byte(byte));
-      const __half2 s2 = __half2(h, h);
+    for (int m = N; m < 8; ++m) w[m - N] = __ldg(reinterpret_cast<const uint4*>(row) + u + 8 * m);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int i = 4 * at + k;
-        *reinterpret_cast<uint4*>(kd + swz<kNT>(key, 2 * i + half)) = fp8x8_to_half8(raw[i], s2);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint2 lo = raw[28 + 2 * i], hi = raw[29 + 2 * i];
-      *reinterpret_cast<uint4*>(kd + swz<kNT>(key, 56 + 2 * i + half)) =
-          bf16x8_to_half8(make_uint4(lo.x, lo.y, hi.x, hi.y));
-    }
-  } else if (src.kind == kKindBf16) {
-    const uint4* row = reinterpret_cast<const uint4*>(src.ptr);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      uint4 v[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) v[i] = __ldg(row + 2 * (16 * r + i) + half);
-#pragma unroll
-      for (int i = 0; i < 16; ++i)
-        *reinterpret_cast<uint4*>(kd + swz<kNT>(key, 2 * (16 * r + i) + half)) = bf16x8_to_half8(v[i]);
-    }
+    for (int m = 0; m < 8; ++m)
+      *reinterpret_cast<uint4*>(kd + swz<kNT>(key, u + 8 * m)) = bf16x8_to_half8(m < N ? v[m] : w[m - N]);
   } else {
 #pragma unroll
-    for (int i = 0; i < 32; ++i) *reinterpret_cast<uint4*>(kd + swz<kNT>(key, 2 * i + half)) = make_uint4(0, 0, 0, 0);
+    for (int m = 0; m < 8; ++m) *reinterpret_cast<uint4*>(kd + swz<kNT>(key, u + 8 * m)) = make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -957,20 +975,54 @@ struct PcCta {
   __device__ __forceinline__ uint32_t pempty(int b) const { return bars + 48 + 8 * b; }
 };
 
+// F8 (calls whose caches hold FP8 rows): the 4 passes' loads all in flight (5 words each) during the index pipeline's
+// step and the wait for the K tile; bf16 rows among them (this step's rows) load most of theirs when stored. Else two
+// passes in flight (8 words each), each pass's conversion with the pass after next loading.
+template <bool F8>
 __device__ __forceinline__ void pc_produce(const SparseAttnArgs& a, const PcCta& c, int g) {
-  const int key = g >> 1, half = g & 1;
+  // the index pipeline: two threads a key (key g >> 1, the prefetches by the first); the rows: a warp's 16 keys in 4
+  // passes of 4 key groups, pass q's key of group grp being 4q + grp, whose pipeline is at lanes 8q + 2grp (+ 1)
+  const int key = g >> 1, half = g & 1, lane = g & 31, grp = lane >> 3, kw = (g >> 5) * 16;
   const int fp8_bytes = c.exp_off + c.nope / kFp8Block;
   uint8_t* kinds = c.smem + PcCfg::kKindOff;
   KeyPipe<1> kp;
   kp.start<512>(a, c.ctx, c.tb, c.te, key, 0, fp8_bytes, half == 0);
   for (int it = 0; kp.n[0] < c.te; ++it) {
     const int b = it & 1;
-    if (it >= 2) mbar_wait(c.empty(b), ((it >> 1) + 1) & 1);  // tile it - 2's products are done with K tile b
-    pc_convert_key(kp.s0[0], c.smem + PcCfg::kKOff + b * PcCfg::kKBytes, key, half, c.nope, c.exp_off);
-    if (half == 0) kinds[b * kNT + key] = static_cast<uint8_t>(kp.s0[0].kind);
+    const int kind = kp.s0[0].kind;
+    int kq[4];
+    const uint8_t* pq[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      kq[q] = __shfl_sync(0xffffffffu, kind, 8 * q + 2 * grp);
+      pq[q] = reinterpret_cast<const uint8_t*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(kp.s0[0].ptr), 8 * q + 2 * grp));
+    }
+    uint8_t* kd = c.smem + PcCfg::kKOff + b * PcCfg::kKBytes;
+    if constexpr (F8) {
+      uint4 r[4][5];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) pc_load_pass<5>(kq[q], pq[q], lane & 7, r[q]);
+      kp.next<512>(a, c.ctx, c.te, key, 0, fp8_bytes, half == 0);
+      if (it >= 2) mbar_wait(c.empty(b), ((it >> 1) + 1) & 1);  // tile it - 2's products are done with K tile b
+#pragma unroll
+      for (int q = 0; q < 4; ++q) pc_store_pass<5>(kq[q], pq[q], r[q], kd, kw + 4 * q + grp, lane);
+    } else {
+      uint4 r0[8], r1[8];
+      pc_load_pass<8>(kq[0], pq[0], lane & 7, r0);
+      pc_load_pass<8>(kq[1], pq[1], lane & 7, r1);
+      kp.next<512>(a, c.ctx, c.te, key, 0, fp8_bytes, half == 0);
+      if (it >= 2) mbar_wait(c.empty(b), ((it >> 1) + 1) & 1);
+      pc_store_pass<8>(kq[0], pq[0], r0, kd, kw + grp, lane);
+      pc_load_pass<8>(kq[2], pq[2], lane & 7, r0);
+      pc_store_pass<8>(kq[1], pq[1], r1, kd, kw + 4 + grp, lane);
+      pc_load_pass<8>(kq[3], pq[3], lane & 7, r1);
+      pc_store_pass<8>(kq[2], pq[2], r0, kd, kw + 8 + grp, lane);
+      pc_store_pass<8>(kq[3], pq[3], r1, kd, kw + 12 + grp, lane);
+    }
+    if (half == 0) kinds[b * kNT + key] = static_cast<uint8_t>(kind);
     fence_async_smem();  // the tensor cores read the tile through the async proxy
     mbar_arrive(c.full(b));
-    kp.next<512>(a, c.ctx, c.te, key, 0, fp8_bytes, half == 0);
   }
 }
 
@@ -1131,6 +1183,7 @@ __device__ __forceinline__ void pc_math(const SparseAttnArgs& a, const PcCta& c,
   }
 }
 
+template <bool F8>
 __global__ void __launch_bounds__(PcCfg::kThreads, 1) sparse_attn_pc_kernel(const SparseAttnArgs a, int max_tiles) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const int tid = threadIdx.x, wg = tid >> 7;
@@ -1167,7 +1220,7 @@ __global__ void __launch_bounds__(PcCfg::kThreads, 1) sparse_attn_pc_kernel(cons
     pc_math<1>(a, c, tid);
   } else {
     reg_dealloc<PcCfg::kRegsProd>();
-    pc_produce(a, c, tid - 256);
+    pc_produce<F8>(a, c, tid - 256);
   }
 }
 
@@ -1419,8 +1472,8 @@ bool use_wgmma(const SparseAttnArgs& a) { return wg_kind(a) != Wg::kNone; }  // 
 
 // Tiles a CTA must take for the producer-consumer kernel to run: its producer loads and converts a CTA's first tile
 // before the math can start (the split-D kernel's copies are asynchronous), which costs more than its overlap saves
-// when a CTA takes few tiles. H200, the split-D kernel against it: batch 128 (10 tiles a CTA) 44.0 against 41.4-42.1
-// us; the decode step at batch 1 and 64 (1 to 5 tiles a CTA) 29 and 15 us longer with it.
+// when a CTA takes few tiles. H200, the split-D kernel against it: batch 128 (10 tiles a CTA) 43.9-44.6 against
+// 37.4-38.1 us; the decode step at batch 1, 64 and 1M (1 to 5 tiles a CTA) 27, 14 and 22 us longer with it.
 constexpr int kPcMinTiles = 8;
 bool use_pc(const SparseAttnArgs& a) {
   if (wg_kind(a) != Wg::kPc) return false;
@@ -1476,13 +1529,19 @@ cudaError_t launch_mma(const SparseAttnArgs& a, cudaStream_t stream) {
   return launch_combine(a, stream);
 }
 
-cudaError_t launch_pc(const SparseAttnArgs& a, cudaStream_t stream) {
+template <bool F8>
+cudaError_t launch_pc_rows(const SparseAttnArgs& a, cudaStream_t stream) {
   cudaError_t err =
-      cudaFuncSetAttribute(sparse_attn_pc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, PcCfg::kSmem);
+      cudaFuncSetAttribute(sparse_attn_pc_kernel<F8>, cudaFuncAttributeMaxDynamicSharedMemorySize, PcCfg::kSmem);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(a.n_tokens * ((a.heads + 63) / 64)), static_cast<unsigned>(a.n_splits));
-  sparse_attn_pc_kernel<<<grid, PcCfg::kThreads, PcCfg::kSmem, stream>>>(a, max_tiles(a));
-  err = cudaGetLastError();
+  sparse_attn_pc_kernel<F8><<<grid, PcCfg::kThreads, PcCfg::kSmem, stream>>>(a, max_tiles(a));
+  return cudaGetLastError();
+}
+
+// The FP8 instance when the caches hold FP8 rows (the sliding ring's format decides: every attention layer has one).
+cudaError_t launch_pc(const SparseAttnArgs& a, cudaStream_t stream) {
+  const cudaError_t err = a.swa_fmt == kAttnFp8 ? launch_pc_rows<true>(a, stream) : launch_pc_rows<false>(a, stream);
   if (err != cudaSuccess) return err;
   return launch_combine(a, stream);
 }

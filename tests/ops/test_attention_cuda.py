@@ -159,6 +159,22 @@ def test_each_tensor_core_kernel_at_flash_dims(monkeypatch, kernel, mode, fp8, s
     check(make_case(FLASH, mode, _scenarios(FLASH)["prefill"], fp8, torch.bfloat16, seed=5))
 
 
+@pytest.mark.parametrize("fp8_ring", [True, False], ids=["fp8ring-bf16entries", "bf16ring-fp8entries"])
+def test_pc_kernel_mixed_row_formats(monkeypatch, fp8_ring):
+    # the producer-consumer kernel's instance follows the ring's format (FP8: a tile's loads all in flight, bf16 rows
+    # mostly loaded late); rows of the other format take their other path
+    monkeypatch.setenv("DSV4RT_ATTN_MMA", "pc")
+    fp8_args = make_case(FLASH, "csa", _scenarios(FLASH)["prefill"], True, torch.bfloat16, seed=7)
+    bf16_args = make_case(FLASH, "csa", _scenarios(FLASH)["prefill"], False, torch.bfloat16, seed=7)
+    args = list(fp8_args)
+    if fp8_ring:
+        args[3] = bf16_args[3]  # the entries in bf16
+    else:
+        args[2] = bf16_args[2]  # the sliding ring in bf16
+    assert (args[2].dtype == torch.uint8) == fp8_ring and (args[3].dtype == torch.uint8) != fp8_ring
+    check(tuple(args))
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16rows", "fp8rows"])
 @pytest.mark.parametrize("mode", ["csa", "hca"])
 def test_pro_heads(mode, fp8):
