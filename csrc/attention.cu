@@ -246,13 +246,32 @@ __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.a
 // Orders uses of an accumulator after the wait (the registers are written asynchronously).
 __device__ __forceinline__ void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
-// d (+)= A B^T, m64n64k16: A (64 rows) and B (64 rows) K-major in shared memory, 128-byte swizzle.
-__device__ __forceinline__ void wgmma_ss_m64n64(float (&d)[8][4], uint64_t da, uint64_t db, int accumulate) {
+// d (+)= A B^T, m64n64k16: A (64 rows) and B (64 rows) K-major in shared memory, 128-byte swizzle; each descriptor
+// as its 32-bit halves (lo holds the address field).
+__device__ __forceinline__ void wgmma_ss_m64n64(float (&d)[8][4], uint32_t alo, uint32_t ahi, uint32_t blo,
+                                                uint32_t bhi, int accumulate) {
   DSV4RT_WGMMA(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %36, 0;\nmov.b64 da, {%32, %33};\nmov.b64 db, {%34, %35};\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, da, db, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "l"(da), "l"(db), "r"(accumulate));
+      : "r"(alo), "r"(ahi), "r"(blo), "r"(bhi), "r"(accumulate));
+}
+
+// S = Q K^T over NA 64-dim atoms (4 k16 steps each) of the Q tile at q_s (atoms kAtomQ bytes apart) and the K tile at
+// k_s (kAtomK apart), m64n64, 128-byte swizzle. A descriptor's address field is (addr mod 2^18) >> 4 in its low 14
+// bits, and shared addresses stay below 2^18: each step's descriptors are the two bases plus constants (one add
+// each, where building them took a dozen uniform instructions a step).
+template <int NA, int kAtomQ, int kAtomK>
+__device__ __forceinline__ void qk_wgmma(float (&s)[8][4], uint32_t q_s, uint32_t k_s) {
+  const uint64_t dq = smem_desc(q_s, 16, 1024), dk = smem_desc(k_s, 16, 1024);
+  const uint32_t qlo = static_cast<uint32_t>(dq), qhi = static_cast<uint32_t>(dq >> 32);
+  const uint32_t klo = static_cast<uint32_t>(dk), khi = static_cast<uint32_t>(dk >> 32);
+#pragma unroll
+  for (int ks = 0; ks < 4 * NA; ++ks) {
+    const uint32_t kin = (ks & 3) * 32;
+    wgmma_ss_m64n64(s, qlo + (((ks >> 2) * kAtomQ + kin) >> 4), qhi, klo + (((ks >> 2) * kAtomK + kin) >> 4), khi,
+                      ks > 0);
+  }
 }
 
 // The 128 accumulators of an m64n256 wgmma as asm operands %0 .. %127.
@@ -510,8 +529,12 @@ __device__ __forceinline__ void convert_tile(const uint8_t* stage, uint8_t* kdst
 }
 
 // Online softmax over rows g and g + 8 of a warp's 16 heads, S complete: absent keys masked, scaled to log2 units;
-// returns P in s, rescales acc and gives the rows' rescale factors (al0, al1).
-template <int NTILES>
+// returns P in s, rescales acc and gives the rows' rescale factors (al0, al1). LAZY: a row's reference max moves
+// only when the tile's max exceeds it by more than kLazyMax (log2 units), so p <= 2^kLazyMax (fp16 holds it) and
+// most tiles leave the factors at exactly 1 and skip the rescale; acc and l stay relative to the same reference,
+// and the end (or the split combine) divides by l at that reference, so the result is the same softmax.
+constexpr float kLazyMax = 8.0f;
+template <int NTILES, bool LAZY = false>
 __device__ __forceinline__ void softmax_rows(float (&s)[8][4], float (&acc)[NTILES][4], const uint8_t* kinds,
                                              float& m0, float& m1, float& l0, float& l1, float& al0, float& al1,
                                              float sc2, int lane) {
@@ -535,10 +558,14 @@ __device__ __forceinline__ void softmax_rows(float (&s)[8][4], float (&acc)[NTIL
   mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-  const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+  float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+  if constexpr (LAZY) {  // (-inf) - (-inf) is NaN: no key yet keeps -inf
+    if (mn0 - m0 <= kLazyMax) mn0 = m0;
+    if (mn1 - m1 <= kLazyMax) mn1 = m1;
+  }
   const float mu0 = mn0 == kNegInf ? 0.0f : mn0, mu1 = mn1 == kNegInf ? 0.0f : mn1;  // no key yet: all p = 0
-  al0 = fast_exp2(m0 - mu0);
-  al1 = fast_exp2(m1 - mu1);
+  al0 = LAZY && mn0 == m0 ? 1.0f : fast_exp2(m0 - mu0);
+  al1 = LAZY && mn1 == m1 ? 1.0f : fast_exp2(m1 - mu1);
   m0 = mn0;
   m1 = mn1;
   float rs0 = 0.0f, rs1 = 0.0f;
@@ -554,12 +581,14 @@ __device__ __forceinline__ void softmax_rows(float (&s)[8][4], float (&acc)[NTIL
   }
   l0 = l0 * al0 + rs0;
   l1 = l1 * al1 + rs1;
+  if (!LAZY || al0 != 1.0f || al1 != 1.0f) {
 #pragma unroll
-  for (int n = 0; n < NTILES; ++n) {
-    acc[n][0] *= al0;
-    acc[n][1] *= al0;
-    acc[n][2] *= al1;
-    acc[n][3] *= al1;
+    for (int n = 0; n < NTILES; ++n) {
+      acc[n][0] *= al0;
+      acc[n][1] *= al0;
+      acc[n][2] *= al1;
+      acc[n][3] *= al1;
+    }
   }
 }
 
@@ -643,12 +672,7 @@ __device__ __forceinline__ void compute_tile_wg(uint32_t q_s, uint32_t k_s, cons
 #pragma unroll
   for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
   wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < 16; ++ks) {
-    const int atom = dh * 4 + (ks >> 2), kin = (ks & 3) * 32;
-    wgmma_ss_m64n64(s, smem_desc(q_s + atom * kAtomQ + kin, 16, 1024), smem_desc(k_s + atom * kAtomK + kin, 16, 1024),
-                    ks > 0);
-  }
+  qk_wgmma<4, kAtomQ, kAtomK>(s, q_s + dh * 4 * kAtomQ, k_s + dh * 4 * kAtomK);
   wgmma_commit();
   wgmma_wait_all();
 #pragma unroll
@@ -895,7 +919,10 @@ struct PcCfg {
   static constexpr int kKindOff = kMlOff + 64 * 8;         // 2 x 64 key kinds
   static constexpr int kBarOff = kKindOff + 2 * kNT;       // full[2], empty[2], pfull[2], pempty[2]
   static constexpr int kSmem = kBarOff + 8 * 8 + 1024;     // + alignment of the base to 1024 bytes
-  // registers a thread: 168 x 384 = 64512 = 128 x (192 + 160 + 152)
+  // registers a thread: 168 x 384 = 64512 = 128 x (192 + 160 + 152). Warpgroup 0 spills one word with the lazy
+  // softmax; 200 / 160 / 144 spills nothing but was slower on an H200 (36.6-36.9 against 35.8-35.9 us at decode b128,
+  // the producer at 144), and 208 for warpgroup 0's S of the next tile behind its P V leaves the producer 136 (it
+  // spills: 44.6-44.8 us).
   static constexpr int kRegsS = 192, kRegsPV = 160, kRegsProd = 152;
 };
 
@@ -1061,12 +1088,7 @@ __device__ __forceinline__ void pc_math(const SparseAttnArgs& a, const PcCta& c,
 #pragma unroll
       for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
       wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < 32; ++ks) {
-        const int atom = ks >> 2, kin = (ks & 3) * 32;
-        wgmma_ss_m64n64(s, smem_desc(q_s + atom * kAtom + kin, 16, 1024), smem_desc(kb + atom * kAtom + kin, 16, 1024),
-                        ks > 0);
-      }
+      qk_wgmma<8, kAtom, kAtom>(s, q_s, kb);
       wgmma_commit();
       wgmma_wait_all();
 #pragma unroll
@@ -1074,7 +1096,7 @@ __device__ __forceinline__ void pc_math(const SparseAttnArgs& a, const PcCta& c,
 #pragma unroll
         for (int e = 0; e < 4; ++e) fence_reg(s[j][e]);
       float al0, al1;
-      softmax_rows<32>(s, acc, kinds + b * kNT, m0, m1, l0, l1, al0, al1, sc2, lane);
+      softmax_rows<32, true>(s, acc, kinds + b * kNT, m0, m1, l0, l1, al0, al1, sc2, lane);
       uint32_t pa[4][4];
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) p_fragment(s, kk, pa[kk]);
@@ -1101,12 +1123,14 @@ __device__ __forceinline__ void pc_math(const SparseAttnArgs& a, const PcCta& c,
     } else {
       mbar_wait(c.pfull(b), par);
       const float al0 = alpha[b * 64 + r0], al1 = alpha[b * 64 + r0 + 8];
+      if (al0 != 1.0f || al1 != 1.0f) {  // the lazy softmax leaves most factors at 1
 #pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        acc[n][0] *= al0;
-        acc[n][1] *= al0;
-        acc[n][2] *= al1;
-        acc[n][3] *= al1;
+        for (int n = 0; n < 32; ++n) {
+          acc[n][0] *= al0;
+          acc[n][1] *= al0;
+          acc[n][2] *= al1;
+          acc[n][3] *= al1;
+        }
       }
       wgmma_fence();
 #pragma unroll
