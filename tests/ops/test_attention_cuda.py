@@ -176,6 +176,21 @@ def test_pc_kernel_mixed_row_formats(monkeypatch, fp8_ring):
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16rows", "fp8rows"])
+@pytest.mark.parametrize("kernel", ["pc", "split"])
+def test_late_keys_dominate(monkeypatch, kernel, fp8):
+    # the HCA entries (the tiles after the sliding rows) score about 6x the sliding rows, so a row's max jumps by far
+    # more than 2^8 (log2 units) after its first tiles: the producer-consumer kernel's lazy softmax, which keeps a
+    # row's reference max through smaller rises, must rescale there
+    monkeypatch.setenv("DSV4RT_ATTN_MMA", kernel)
+    args = list(make_case(FLASH, "hca", _scenarios(FLASH)["prefill"], fp8, torch.bfloat16, seed=11))
+    shape = args[3].shape
+    g = torch.Generator(device="cuda").manual_seed(12)
+    x = 6.0 * torch.randn(shape[0] * shape[1], FLASH.dim, generator=g, device="cuda")
+    args[3] = (kv_fp8_quantize_ref(x, ROPE_DIM) if fp8 else x.to(torch.bfloat16)).view(shape)
+    check(tuple(args))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16rows", "fp8rows"])
 @pytest.mark.parametrize("mode", ["csa", "hca"])
 def test_pro_heads(mode, fp8):
     d = PRO
