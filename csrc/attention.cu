@@ -270,7 +270,7 @@ __device__ __forceinline__ void qk_wgmma(float (&s)[8][4], uint32_t q_s, uint32_
   for (int ks = 0; ks < 4 * NA; ++ks) {
     const uint32_t kin = (ks & 3) * 32;
     wgmma_ss_m64n64(s, qlo + (((ks >> 2) * kAtomQ + kin) >> 4), qhi, klo + (((ks >> 2) * kAtomK + kin) >> 4), khi,
-                      ks > 0);
+                    ks > 0);
   }
 }
 
