@@ -258,11 +258,14 @@ __device__ __forceinline__ void wgmma_ss_m64n64(float (&d)[8][4], uint32_t alo, 
 }
 
 // S = Q K^T over NA 64-dim atoms (4 k16 steps each) of the Q tile at q_s (atoms kAtomQ bytes apart) and the K tile at
-// k_s (kAtomK apart), m64n64, 128-byte swizzle. A descriptor's address field is (addr mod 2^18) >> 4 in its low 14
-// bits, and shared addresses stay below 2^18: each step's descriptors are the two bases plus constants (one add
-// each, where building them took a dozen uniform instructions a step).
+// k_s (kAtomK apart), m64n64, 128-byte swizzle, complete on return. A descriptor's address field is
+// (addr mod 2^18) >> 4 in its low 14 bits, and shared addresses stay below 2^18: each step's descriptors are the two
+// bases plus constants (one add each, where building them took a dozen uniform instructions a step).
 template <int NA, int kAtomQ, int kAtomK>
 __device__ __forceinline__ void qk_wgmma(float (&s)[8][4], uint32_t q_s, uint32_t k_s) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+  wgmma_fence();
   const uint64_t dq = smem_desc(q_s, 16, 1024), dk = smem_desc(k_s, 16, 1024);
   const uint32_t qlo = static_cast<uint32_t>(dq), qhi = static_cast<uint32_t>(dq >> 32);
   const uint32_t klo = static_cast<uint32_t>(dk), khi = static_cast<uint32_t>(dk >> 32);
@@ -272,6 +275,12 @@ __device__ __forceinline__ void qk_wgmma(float (&s)[8][4], uint32_t q_s, uint32_
     wgmma_ss_m64n64(s, qlo + (((ks >> 2) * kAtomQ + kin) >> 4), qhi, klo + (((ks >> 2) * kAtomK + kin) >> 4), khi,
                     ks > 0);
   }
+  wgmma_commit();
+  wgmma_wait_all();
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) fence_reg(s[j][e]);
 }
 
 // The 128 accumulators of an m64n256 wgmma as asm operands %0 .. %127.
@@ -669,16 +678,7 @@ __device__ __forceinline__ void compute_tile_wg(uint32_t q_s, uint32_t k_s, cons
   constexpr int kAtomQ = 64 * 128, kAtomK = kNT * 128;  // bytes of one 64-dim atom of Q / of the K tile
   const int mt = warp & 3, dh = warp >> 2;
   float s[8][4];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-  wgmma_fence();
   qk_wgmma<4, kAtomQ, kAtomK>(s, q_s + dh * 4 * kAtomQ, k_s + dh * 4 * kAtomK);
-  wgmma_commit();
-  wgmma_wait_all();
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) fence_reg(s[j][e]);
   softmax_tile<32>(s, acc, xs, kinds, m0, m1, l0, l1, sc2, warp, warp ^ 4, 1 + mt, lane);
   uint32_t pa[4][4];
 #pragma unroll
@@ -1085,16 +1085,7 @@ __device__ __forceinline__ void pc_math(const SparseAttnArgs& a, const PcCta& c,
     mbar_wait(c.full(b), par);
     if constexpr (W == 0) {
       float s[8][4];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-      wgmma_fence();
       qk_wgmma<8, kAtom, kAtom>(s, q_s, kb);
-      wgmma_commit();
-      wgmma_wait_all();
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) fence_reg(s[j][e]);
       float al0, al1;
       softmax_rows<32, true>(s, acc, kinds + b * kNT, m0, m1, l0, l1, al0, al1, sc2, lane);
       uint32_t pa[4][4];
