@@ -543,6 +543,19 @@ __device__ __forceinline__ void convert_tile(const uint8_t* stage, uint8_t* kdst
 // most tiles leave the factors at exactly 1 and skip the rescale; acc and l stay relative to the same reference,
 // and the end (or the split combine) divides by l at that reference, so the result is the same softmax.
 constexpr float kLazyMax = 8.0f;
+
+// acc rows r0 (elements 0, 1) and r0 + 8 (2, 3) times their rescale factors.
+template <int NTILES>
+__device__ __forceinline__ void rescale_rows(float (&acc)[NTILES][4], float al0, float al1) {
+#pragma unroll
+  for (int n = 0; n < NTILES; ++n) {
+    acc[n][0] *= al0;
+    acc[n][1] *= al0;
+    acc[n][2] *= al1;
+    acc[n][3] *= al1;
+  }
+}
+
 template <int NTILES, bool LAZY = false>
 __device__ __forceinline__ void softmax_rows(float (&s)[8][4], float (&acc)[NTILES][4], const uint8_t* kinds,
                                              float& m0, float& m1, float& l0, float& l1, float& al0, float& al1,
@@ -590,15 +603,7 @@ __device__ __forceinline__ void softmax_rows(float (&s)[8][4], float (&acc)[NTIL
   }
   l0 = l0 * al0 + rs0;
   l1 = l1 * al1 + rs1;
-  if (!LAZY || al0 != 1.0f || al1 != 1.0f) {
-#pragma unroll
-    for (int n = 0; n < NTILES; ++n) {
-      acc[n][0] *= al0;
-      acc[n][1] *= al0;
-      acc[n][2] *= al1;
-      acc[n][3] *= al1;
-    }
-  }
+  if (!LAZY || al0 != 1.0f || al1 != 1.0f) rescale_rows(acc, al0, al1);
 }
 
 // The warp pair's halves of S summed (both warps form the same sum: fp32 addition commutes), then softmax_rows.
@@ -1114,15 +1119,7 @@ __device__ __forceinline__ void pc_math(const SparseAttnArgs& a, const PcCta& c,
     } else {
       mbar_wait(c.pfull(b), par);
       const float al0 = alpha[b * 64 + r0], al1 = alpha[b * 64 + r0 + 8];
-      if (al0 != 1.0f || al1 != 1.0f) {  // the lazy softmax leaves most factors at 1
-#pragma unroll
-        for (int n = 0; n < 32; ++n) {
-          acc[n][0] *= al0;
-          acc[n][1] *= al0;
-          acc[n][2] *= al1;
-          acc[n][3] *= al1;
-        }
-      }
+      if (al0 != 1.0f || al1 != 1.0f) rescale_rows(acc, al0, al1);  // the lazy softmax leaves most factors at 1
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
