@@ -408,6 +408,28 @@ __device__ __forceinline__ void prefetch_key(const Src& src, int fp8_bytes) {
     asm volatile("prefetch.global.L2 [%0];\n" ::"l"(l));
 }
 
+// Programmatic dependent launch (launch.cuh): the attention grids may be scheduled while the grid before them still
+// runs. Before pdl_wait() a CTA reads step metadata only (its token's context, block-table entries) and prefetches
+// into L2 the rows of its first two tiles that the metadata alone locates: sliding rows, and entries when no index
+// list picks them (the list is the grid before's output). A prefetch into L2 binds no value: every row is read after
+// the wait, so a row the grid before writes is read as written.
+template <int D>
+__device__ __forceinline__ void prefetch_first_rows(const SparseAttnArgs& a, const TokenCtx& ctx, int tb, int te,
+                                                    int key, int fp8_bytes) {
+  int n = next_tile(a, ctx, tb, te);
+#pragma unroll 1
+  for (int i = 0; i < 2 && n < te; ++i, n = next_tile(a, ctx, n + 1, te)) {
+    const int slot = n * kNT + key;
+    int j = -1, blk = 0;
+    if (slot >= a.window) {
+      if (a.entry_idx != nullptr) continue;
+      j = load_j(a, ctx, slot, true);
+      blk = load_blk(a, ctx, slot, j);
+    }
+    prefetch_key<D>(resolve(a, ctx, slot, j, blk), fp8_bytes);
+  }
+}
+
 // One key row, raw (bf16 values or the FP8 layout), to its staging slot, by one thread: a bulk copy tracked by the
 // tile's mbarrier (the thread's expected bytes are added first), and the kinds byte. An FP8 row lands 8 bytes into
 // its slot when odd (kShift8); a tail (row_copy) is loaded here and stored before the thread arrives.
@@ -779,6 +801,7 @@ __global__ void __launch_bounds__(MmaCfg<D, MT>::kCtaThreads, 1)
     mbar_init_fence();
   }
   __syncthreads();
+  pdl_launch_dependents();  // the combine (or the next grid) may be scheduled: it waits for this grid's completion
 
   if (warp >= C::kWarps) {
     // The gather threads: tile after tile, one bulk copy a row into the staging slots, as soon as the math warps
@@ -792,6 +815,9 @@ __global__ void __launch_bounds__(MmaCfg<D, MT>::kCtaThreads, 1)
     const uint32_t stage = smem_u32(smem + C::kStageOff);
     // Per key, KeyPipe: this tile's row is copied; the copies of a tile go out (and the thread arrives) before the
     // pipeline's waits for the later tiles' indices.
+#pragma unroll
+    for (int h = 0; h < kK; ++h) prefetch_first_rows<D>(a, ctx, tb, te, g + h * C::kIssueThreads, fp8_bytes);
+    pdl_wait();  // the grid before has completed: q, this step's rows, the caches and the index list are written
     KeyPipe<kK> kp;
     kp.template start<D>(a, ctx, tb, te, g, C::kIssueThreads, fp8_bytes, true);
     for (int it = 0; kp.n[0] < te; ++it) {
@@ -806,6 +832,7 @@ __global__ void __launch_bounds__(MmaCfg<D, MT>::kCtaThreads, 1)
     return;
   }
   if constexpr (MT == 4) reg_alloc<kMathRegs>();
+  pdl_wait();
 
   float* xs = reinterpret_cast<float*>(smem + C::kXsOff);
   const uint32_t q_s = smem_u32(smem + C::kQOff), k_s = smem_u32(smem + C::kKOff);
@@ -1017,6 +1044,8 @@ __device__ __forceinline__ void pc_produce(const SparseAttnArgs& a, const PcCta&
   const int key = g >> 1, half = g & 1, lane = g & 31, grp = lane >> 3, kw = (g >> 5) * 16;
   const int fp8_bytes = c.exp_off + c.nope / kFp8Block;
   uint8_t* kinds = c.smem + PcCfg::kKindOff;
+  if (half == 0) prefetch_first_rows<512>(a, c.ctx, c.tb, c.te, key, fp8_bytes);
+  pdl_wait();
   KeyPipe<1> kp;
   kp.start<512>(a, c.ctx, c.tb, c.te, key, 0, fp8_bytes, half == 0);
   for (int it = 0; kp.n[0] < c.te; ++it) {
@@ -1066,6 +1095,7 @@ __device__ __forceinline__ void pc_math(const SparseAttnArgs& a, const PcCta& c,
   constexpr int kAtom = 64 * 128;  // bytes of one 64-dim atom of Q, of a K tile
   uint8_t* smem = c.smem;
   const int lane = tid & 31, warp = tid >> 5;
+  pdl_wait();
   stage_q<512, 4, true>(a, c.t, c.hg, smem + P::kQOff, tid);
   fence_async_smem();
   bar_sync(kBarMath, 256);  // Q complete
@@ -1224,6 +1254,7 @@ __global__ void __launch_bounds__(PcCfg::kThreads, 1) sparse_attn_pc_kernel(cons
     mbar_init_fence();
   }
   __syncthreads();
+  pdl_launch_dependents();
   if (wg == 0) {
     reg_alloc<PcCfg::kRegsS>();
     pc_math<0>(a, c, tid);
@@ -1261,6 +1292,9 @@ __global__ void __launch_bounds__(32 * kCombineWarps) sparse_attn_combine_kernel
   const int64_t row0 = t * ns * a.heads + h;  // split s: row0 + s * heads
   // Every warp lists the splits with keys and their weights itself (its own copy: no block barrier before the sums),
   // from the splits' (max, sum) pairs loaded in one round (loaded split after split, they were the kernel's chain)
+  pdl_launch_dependents();
+  const float sink2 = a.sinks[h] * kLog2e;  // a weight: before the wait
+  pdl_wait();  // the partials are written
   float mv[kPer], lv[kPer];
 #pragma unroll
   for (int k = 0; k < kPer; ++k) {
@@ -1272,7 +1306,6 @@ __global__ void __launch_bounds__(32 * kCombineWarps) sparse_attn_combine_kernel
       lv[k] = ml[2 * (row0 + s * a.heads) + 1];
     }
   }
-  const float sink2 = a.sinks[h] * kLog2e;
   float mm = sink2;
 #pragma unroll
   for (int k = 0; k < kPer; ++k) mm = fmaxf(mm, mv[k]);
@@ -1520,12 +1553,19 @@ int mma_ctas_per_sm(const SparseAttnArgs& a) {
   return mt == 4 ? ctas_per_sm<128, 4, false>() : ctas_per_sm<128, 1, false>();
 }
 
+// The tensor-core and combine grids are launched with programmatic stream serialization (prefetch_first_rows says
+// what they do before the wait). DSV4RT_ATTN_PDL=0: plain stream order (comparisons).
+bool attn_pdl() {
+  const char* v = std::getenv("DSV4RT_ATTN_PDL");
+  return v == nullptr || v[0] == '\0' || v[0] != '0';
+}
+
 // The split partials combined (a second kernel), when the call is split.
 cudaError_t launch_combine(const SparseAttnArgs& a, cudaStream_t stream) {
   if (a.n_splits == 1) return cudaSuccess;
   const dim3 cgrid(static_cast<unsigned>(a.n_tokens * a.heads), static_cast<unsigned>((a.dim + 127) / 128));
-  sparse_attn_combine_kernel<__nv_bfloat16><<<cgrid, 32 * kCombineWarps, 0, stream>>>(a);
-  return cudaGetLastError();
+  return launch_ex(sparse_attn_combine_kernel<__nv_bfloat16>, cgrid, dim3(32 * kCombineWarps), 0, stream, 1,
+                   attn_pdl(), a);
 }
 
 template <int D, int MT, bool WG>
@@ -1535,8 +1575,8 @@ cudaError_t launch_mma(const SparseAttnArgs& a, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const int64_t n_hg = (a.heads + C::kRows - 1) / C::kRows;
   const dim3 grid(static_cast<unsigned>(a.n_tokens * n_hg), static_cast<unsigned>(a.n_splits));
-  sparse_attn_mma_kernel<D, MT, WG><<<grid, C::kCtaThreads, C::kSmem, stream>>>(a, max_tiles(a));
-  err = cudaGetLastError();
+  err = launch_ex(sparse_attn_mma_kernel<D, MT, WG>, grid, dim3(C::kCtaThreads), C::kSmem, stream, 1, attn_pdl(), a,
+                  max_tiles(a));
   if (err != cudaSuccess) return err;
   return launch_combine(a, stream);
 }
@@ -1547,8 +1587,8 @@ cudaError_t launch_pc_rows(const SparseAttnArgs& a, cudaStream_t stream) {
       cudaFuncSetAttribute(sparse_attn_pc_kernel<F8>, cudaFuncAttributeMaxDynamicSharedMemorySize, PcCfg::kSmem);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(a.n_tokens * ((a.heads + 63) / 64)), static_cast<unsigned>(a.n_splits));
-  sparse_attn_pc_kernel<F8><<<grid, PcCfg::kThreads, PcCfg::kSmem, stream>>>(a, max_tiles(a));
-  return cudaGetLastError();
+  return launch_ex(sparse_attn_pc_kernel<F8>, grid, dim3(PcCfg::kThreads), PcCfg::kSmem, stream, 1, attn_pdl(), a,
+                   max_tiles(a));
 }
 
 // The FP8 instance when the caches hold FP8 rows (the sliding ring's format decides: every attention layer has one).

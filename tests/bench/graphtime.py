@@ -40,6 +40,19 @@ def median_seconds(fn: Callable[[], object], rounds: int = 20) -> float:
     return statistics.median(times)
 
 
+def isolated_seconds(call: Callable[[int], object], repeats: int, warmup: int = 1, rounds: int = 20) -> float:
+    """Device seconds of one call(i) that cannot overlap the call before it: each call in the graph follows a
+    one-element torch kernel (launched without programmatic stream serialization, so it starts only when the call
+    before has completed, and the next call's grids only when it has exited); the graph of those kernels alone is
+    timed too and subtracted. Kernels launched with programmatic dependent launch overlap their predecessor's
+    end: back to back (capture above) a call hides part of its start behind the call before, which a step, where
+    other kernels run between two calls of an op, may not."""
+    sep = torch.zeros(1, device="cuda")
+    both = capture(lambda i: (sep.add_(1.0), call(i)), repeats, warmup)
+    alone = capture(lambda i: sep.add_(1.0), repeats, 1)
+    return (median_seconds(both.replay, rounds) - median_seconds(alone.replay, rounds)) / repeats
+
+
 def measure_copy_bandwidth() -> float:
     """Device-to-device copy of 1 GiB, bytes read + written per second: the best of three medians of 10 copies. A
     single median now and then came out 4% low on an H200 that otherwise measured 4.18-4.22 TB/s, and a low
