@@ -40,17 +40,29 @@ def median_seconds(fn: Callable[[], object], rounds: int = 20) -> float:
     return statistics.median(times)
 
 
-def isolated_seconds(call: Callable[[int], object], repeats: int, warmup: int = 1, rounds: int = 20) -> float:
-    """Device seconds of one call(i) that cannot overlap the call before it: each call in the graph follows a
-    one-element torch kernel (launched without programmatic stream serialization, so it starts only when the call
-    before has completed, and the next call's grids only when it has exited); the graph of those kernels alone is
-    timed too and subtracted. Kernels launched with programmatic dependent launch overlap their predecessor's
-    end: back to back (capture above) a call hides part of its start behind the call before, which a step, where
-    other kernels run between two calls of an op, may not."""
+def isolated_seconds(calls: "Callable[[int], object] | list[Callable[[int], object]]", repeats: int,
+                     warmup: int = 1, rounds: int = 20) -> float:
+    """Device seconds of one step of `calls` (a callable, or a list of them run in order) in which no call can overlap
+    the kernels before it: each call follows a one-element torch kernel, launched without programmatic stream
+    serialization, so that kernel starts only when the call before has completed and the call's grids only when it
+    has exited. The graph of those kernels alone is timed too and subtracted. Kernels launched with programmatic
+    dependent launch overlap their predecessor's end, so back to back (capture above) a call hides part of its start
+    behind the call before; in a decode step other kernels (torch ops) run between two calls of an op, as here."""
+    steps = calls if isinstance(calls, list) else [calls]
     sep = torch.zeros(1, device="cuda")
-    both = capture(lambda i: (sep.add_(1.0), call(i)), repeats, warmup)
-    alone = capture(lambda i: sep.add_(1.0), repeats, 1)
-    return (median_seconds(both.replay, rounds) - median_seconds(alone.replay, rounds)) / repeats
+
+    def both(i: int) -> None:
+        for call in steps:
+            sep.add_(1.0)
+            call(i)
+
+    def alone(i: int) -> None:
+        for _ in steps:
+            sep.add_(1.0)
+
+    t_both = median_seconds(capture(both, repeats, warmup).replay, rounds)
+    t_alone = median_seconds(capture(alone, repeats, 1).replay, rounds)
+    return (t_both - t_alone) / repeats
 
 
 def measure_copy_bandwidth() -> float:

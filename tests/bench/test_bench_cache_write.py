@@ -1,6 +1,11 @@
 """Cache-write kernels (compressor_update, swa_cache_write), CUDA-graph replayed, Flash dims.
 
-Each benchmark captures REPEATS steps in one CUDA graph; the time per step is the replay time / REPEATS.
+Each benchmark captures REPEATS steps in one CUDA graph; the time per step is the replay time / REPEATS. The
+compressor kernels are launched with programmatic dependent launch, so back to back a step's first grid overlaps
+the end of the step before, and the pair op's grids overlap HCA's. In the model the CSA pair and HCA's compressor run
+in different layers, each after torch ops, so test_bench_compressor_update also times the step with each of the two
+calls after a one-element torch kernel (graphtime.isolated_seconds: no overlap with what ran before) and judges the
+targets on that time.
   * prefill: one 8,192-token chunk (one request, starting mid-window) through the three compressors of a
     CSA + HCA layer pair; achieved bandwidth = the bytes the step must move (kv/score rows read as fp32; state
     read and written: CSA the buffered rows, HCA its online softmax state (M, Z, A: 3 d fp32) once a request;
@@ -31,7 +36,7 @@ import torch
 from dsv4rt.ops.compressor import compressor_update, compressor_update_pair, pair_args
 from dsv4rt.ops.kv_quant import QUANT_FP4, QUANT_FP8, QUANT_NONE, fp4_row_bytes, fp8_row_bytes
 from dsv4rt.ops.swa import swa_cache_write
-from graphtime import capture, median_seconds, replay_kernels, timeline_lines
+from graphtime import capture, isolated_seconds, median_seconds, replay_kernels, timeline_lines
 
 HEAD_DIM, INDEX_DIM, ROPE_DIM = 512, 128, 64   # Flash
 CSA_RATIO, HCA_RATIO, WINDOW = 4, 128, 128
@@ -143,16 +148,21 @@ def _capture(calls, repeats: int) -> torch.cuda.CUDAGraph:
     return capture(lambda i: [fn(*args) for fn, args in calls], repeats)
 
 
-def _report(benchmark, graph, repeats: int, nbytes: int, copy_bw: float, info: dict) -> None:
+def _report(benchmark, graph, repeats: int, nbytes: int, copy_bw: float, info: dict,
+            isolated: float | None = None) -> None:
+    """Per-step time of `graph`, or `isolated` (seconds, graphtime.isolated_seconds) when given: the time judged,
+    the back-to-back time beside it."""
     import dsv4rt.ops
-    per_step = median_seconds(graph.replay, ROUNDS) / repeats
+    back_to_back = median_seconds(graph.replay, ROUNDS) / repeats
+    per_step = isolated if isolated is not None else back_to_back
     bw = nbytes / per_step
     benchmark.extra_info.update(device=torch.cuda.get_device_name(), repeats=repeats, us_per_step=per_step * 1e6,
-                                bytes=nbytes, achieved_GBps=bw / 1e9, copy_GBps=copy_bw / 1e9,
-                                fraction_of_copy=bw / copy_bw, **info)
+                                us_per_step_back_to_back=back_to_back * 1e6, bytes=nbytes, achieved_GBps=bw / 1e9,
+                                copy_GBps=copy_bw / 1e9, fraction_of_copy=bw / copy_bw, **info)
     ops = ("compressor_update", "compressor_update_pair", "swa_cache_write")
     cov = {k: v for k, v in dsv4rt.ops.kernel_coverage().items() if k in ops}
-    print(f"\n{benchmark.name}: {per_step * 1e6:.2f} us/step, {nbytes / 1e6:.2f} MB, {bw / 1e9:.0f} GB/s "
+    b2b = f" ({back_to_back * 1e6:.2f} back to back)" if isolated is not None else ""
+    print(f"\n{benchmark.name}: {per_step * 1e6:.2f} us/step{b2b}, {nbytes / 1e6:.2f} MB, {bw / 1e9:.0f} GB/s "
           f"({bw / copy_bw:.0%} of copy {copy_bw / 1e9:.0f} GB/s) on {torch.cuda.get_device_name()}; {info}; {cov}")
     benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=ROUNDS, warmup_rounds=2)
 
@@ -180,11 +190,14 @@ def test_bench_compressor_update(benchmark, copy_bandwidth, mode, fmt, monkeypat
                                        * 1e6)
     monkeypatch.delenv("DSV4RT_COMPRESSOR_PAIR")
     graph = _capture(pair, REPEATS[mode])
-    _report(benchmark, graph, REPEATS[mode], nbytes, copy_bandwidth, info)
+    isolated = isolated_seconds([lambda i, fn=fn, args=args: fn(*args) for fn, args in pair], REPEATS[mode])
+    _report(benchmark, graph, REPEATS[mode], nbytes, copy_bandwidth, info, isolated)
     parts = ", ".join(f"{k} {v:.2f}" for k, v in info.items() if k.endswith("_us"))
-    target = " (target <= 10 us)" if mode == "decode" else ""
-    print(f"{benchmark.name}: {benchmark.extra_info['us_per_step']:.2f} us for the three (CSA pair + HCA){target}; "
-          f"{parts}")
+    target = ""
+    if mode == "decode":
+        target = f" (target <= 10 us: {'met' if isolated * 1e6 <= 10.0 else 'NOT met'})"
+    print(f"{benchmark.name}: {benchmark.extra_info['us_per_step']:.2f} us for the three (CSA pair + HCA, each after "
+          f"a torch kernel){target}, {benchmark.extra_info['us_per_step_back_to_back']:.2f} back to back; {parts}")
 
 
 @pytest.mark.cuda
