@@ -38,8 +38,9 @@
 //     row's columns writes the new row's, so no barrier is needed;
 //   * every other new open token writes its own row: nobody reads that row in this step.
 // A request with no closing window reads no state, and each of its tokens writes its own open row.
-// Launched with programmatic stream serialization: the next launch on the stream may be scheduled while this grid
-// runs; every grid waits for the previous one's completion (griddepcontrol.wait) before it touches memory.
+// A call's grids after its first are launched with programmatic stream serialization (the first is a plain launch:
+// pdl_first); every kernel lets the next launch on the stream be scheduled while it runs, and waits for the
+// previous grid's completion (griddepcontrol.wait) before it touches memory.
 #include <cmath>
 #include <cstdlib>
 #include <type_traits>
@@ -1722,7 +1723,7 @@ Config pick_config(const CompressorArgs& a) {
   // the pipeline: several closing tokens a CTA (a chunk longer than m), one batch of slots a thread
   cfg.pipe = (cfg.chunk > a.ratio && n_pool <= kBatch * cfg.groups && env_int("DSV4RT_COMPRESSOR_PIPE", 1) != 0);
   cfg.smem = smem_bytes(cfg.pipe, cfg.threads, cfg.groups, quads, cfg.chunk, had_floats(kFp4, quads));
-  cfg.pdl = env_int("DSV4RT_COMPRESSOR_PDL", 1) != 0;
+  cfg.pdl = pdl_first();  // the call's only grid
   return cfg;
 }
 
@@ -1754,7 +1755,7 @@ Config pick_online(const CompressorArgs& a) {
   if (k_env == 1 || k_env == 2 || k_env == 4 || k_env == 8) cluster = k_env;
   cfg.cluster = cluster;
   cfg.smem = online_smem_bytes(cfg.threads, cfg.cluster, cfg.groups, cfg.chunk, had_floats(kFp4, quads));
-  cfg.pdl = env_int("DSV4RT_COMPRESSOR_PDL", 1) != 0;
+  cfg.pdl = pdl_first();  // the call's first grid (the bulk grid behind it is programmatic)
   return cfg;
 }
 
@@ -1888,7 +1889,6 @@ cudaError_t launch_typed(CompressorArgs a, cudaStream_t stream) {
     Config bulk;
     a.bulk = pick_bulk<QUANT>(a, bulk) ? 1 : 0;
     cfg = pick_online<QUANT>(a);
-    cfg.pdl = pdl_first();  // the call's first grid (the bulk grid behind it stays programmatic)
     a.cluster = cfg.cluster;
     a.groups = cfg.groups;
     a.chunk = cfg.chunk;
@@ -1905,7 +1905,6 @@ cudaError_t launch_typed(CompressorArgs a, cudaStream_t stream) {
   }
   if (windows_ok<QUANT>(a)) return launch_windows<OutT, QUANT>(a, stream);
   cfg = pick_config<QUANT>(a);
-  cfg.pdl = pdl_first();  // the call's only grid
   a.cluster = cfg.cluster;
   a.groups = cfg.groups;
   a.chunk = cfg.chunk;
@@ -1951,7 +1950,7 @@ bool launch_pair_typed(CompressorArgs a1, CompressorArgs a2, cudaStream_t stream
     if (err != cudaSuccess) return true;
   }
   err = launch_ex(kernel, dim3(static_cast<unsigned>(a1.n_tokens + a2.n_tokens)),
-                  dim3(static_cast<unsigned>(cfg.threads)), cfg.smem, stream, 1, pdl_first(), a1, a2);
+                  dim3(static_cast<unsigned>(cfg.threads)), cfg.smem, stream, 1, cfg.pdl, a1, a2);
   return true;
 }
 
