@@ -12,6 +12,7 @@ from torch import nn
 
 from dsv4rt import ops
 from dsv4rt.graphs import GraphRunner
+from dsv4rt.graphs.backend import resolve as resolve_backend
 from dsv4rt.ops.kv_quant import store_rows
 from dsv4rt.ops.swa import PAD_SLOT
 
@@ -63,9 +64,11 @@ class Runtime:
     max_tokens_per_step: tokens per forward call; longer steps are split into several calls.
     num_blocks: size of the block pool (default: enough for every slot at max_context).
     backend: torch.compile backend: "inductor" or "aot_eager" (the same fullgraph trace without code
-        generation). Default: "inductor" for compile=True, "aot_eager" for graphs: on an H200, Inductor's
-        first start in a fresh environment took 350 s for 3 buckets of the tiny model (a second start, which
-        reuses the compile cache, 9.2 s); aot_eager captured 7 buckets of a 4-layer Flash slice in 18.7 s.
+        generation; the caches are written in place, as Inductor's reinplacing does: `dsv4rt.graphs.backend`),
+        or any backend torch.compile takes. Default: "inductor" for compile=True, "aot_eager" for graphs: on an
+        H200, Inductor's first start in a fresh environment took 350 s for 3 buckets of the tiny model (a second
+        start, which reuses the compile cache, 9.2 s); aot_eager captured 7 buckets of a 4-layer Flash slice in
+        18.7 s.
     kernels: on CUDA, "auto" builds/loads the csrc/ kernels and falls back to the reference ops (with a
         message) when that fails; "native" refuses to start unless every op the step calls
         (`dsv4rt.ops.STEP_OPS`) has a native kernel;
@@ -76,7 +79,7 @@ class Runtime:
 
     def __init__(self, model: Model, max_requests: int = 8, max_context: int = 4096, kv_dtype: str = "auto",
                  compile: bool = False, max_tokens_per_step: int | None = None, num_blocks: int | None = None,
-                 graphs: Optional[bool] = None, backend: Optional[str] = None, kernels: Optional[str] = None,
+                 graphs: Optional[bool] = None, backend: Optional[str | Callable] = None, kernels: Optional[str] = None,
                  log: Optional[Callable[[str], None]] = None) -> None:
         if max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}")
@@ -125,10 +128,11 @@ class Runtime:
             self.startup_seconds = self.runner.capture(keys, order=lambda k: k[0])
             reused = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] - hits
             cache = f", {reused} compiled graphs reused from the compile cache" if backend == "inductor" else ""
-            self.log(f"compile + capture: {self.startup_seconds:.1f}s for {len(keys)} graphs ({backend} backend{cache})")
+            name = getattr(backend, "__name__", backend)
+            self.log(f"compile + capture: {self.startup_seconds:.1f}s for {len(keys)} graphs ({name} backend{cache})")
             self._fn = None
         elif compile:
-            self._fn = torch.compile(self._step, fullgraph=True, dynamic=False, backend=backend)
+            self._fn = torch.compile(self._step, fullgraph=True, dynamic=False, backend=resolve_backend(backend))
         else:
             self._fn = self._step
         self._requests: dict[int, _Request] = {}

@@ -13,6 +13,8 @@ from typing import Any, Callable, Hashable, Iterable, Optional
 import torch
 import torch.utils._pytree as pytree
 
+from .backend import resolve
+
 
 def _ptrs(args: Any) -> list[int]:
     return [t.data_ptr() for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
@@ -23,8 +25,9 @@ class GraphRunner:
 
     def __init__(self, fn: Callable[[Any], torch.Tensor], args_for: Callable[[Hashable], Any],
                  log: Optional[Callable[[str], None]] = None, backend: str = "inductor") -> None:
-        # backend: "inductor" (fused kernels) or "aot_eager" (same trace, no codegen: fast to capture)
-        self.fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+        # backend: "inductor" (fused kernels) or "aot_eager" (same trace, no codegen: fast to capture; mutations of
+        # custom ops done in place, backend.py), or any torch.compile backend
+        self.fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=resolve(backend))
         self.args_for = args_for
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
