@@ -141,7 +141,7 @@ def cmd_bench(args) -> int:
               contexts=tuple(int(c) for c in args.contexts.split(",")),
               long_contexts=tuple(int(c) for c in args.long_contexts.split(",") if c),
               kv_dtype=args.kv_dtype, dtype=DTYPES[args.dtype], hf=not args.no_hf, backend=args.backend,
-              profile=args.profile)
+              profile=args.profile, max_context=args.max_context)
     return 0
 
 
@@ -187,9 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--contexts", default="4096", help="contexts run at every batch size")
     b.add_argument("--long-contexts", default="65536,1048576", help="contexts run at batch 1 (fast-forwarded)")
     b.add_argument("--no-hf", action="store_true", help="skip the HF transformers eager baseline")
-    b.add_argument("--backend", choices=["inductor", "aot_eager"], default="aot_eager", help="torch.compile backend")
+    b.add_argument("--backend", choices=["inductor", "aot_eager", "aot_eager_functional"], default="aot_eager",
+                   help="torch.compile backend (aot_eager_functional: without writing the caches in place, for "
+                        "comparison)")
     b.add_argument("--profile", type=int, default=0, metavar="N",
                    help="print the N kernels taking the most device time in each timed step")
+    b.add_argument("--max-context", type=int, default=0, metavar="N",
+                   help="the runtime's max_context (block-table width) for every context run; default: the context "
+                        "+ 64. The block pool still holds only what the requests use")
     b.set_defaults(fn=cmd_bench)
 
     args = p.parse_args(argv)

@@ -5,6 +5,7 @@ floor is measured in the same run, and the HF baseline runs the same weights on 
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import torch
 
 from dsv4rt.ops import kernel_coverage, moe
 
-from .config import CSA, HCA, SLIDING, ModelConfig
+from .config import BLOCK_TOKENS, CSA, HCA, SLIDING, ModelConfig
 from .model import Model
 from .runtime import Runtime
 
@@ -178,9 +179,11 @@ def hf_decode_ms(model: Model, batch: int, context: int, iters: int = 5) -> Opti
 def run(preset: str = "tiny", layers: Optional[int] = None, experts: Optional[int] = None,
         batches=(1, 8, 32), contexts=(4096,), long_contexts=(65536, 1048576), kv_dtype: str = "fp8",
         dtype: torch.dtype = torch.bfloat16, hf: bool = True, hf_max_batch: int = 8, backend: str = "aot_eager",
-        profile: int = 0, out=sys.stdout) -> list[Row]:
+        profile: int = 0, max_context: int = 0, out=sys.stdout) -> list[Row]:
     """Decode latency table for one model. Long contexts run at batch 1 (fast-forwarded caches). `profile` > 0
-    prints that many top kernels of each timed step (to stderr)."""
+    prints that many top kernels of each timed step (to stderr). `max_context` > 0 sizes every runtime's block table
+    for that many tokens (as a server configured for long requests does) while its block pool holds only the
+    requests' blocks; 0 sizes the table to each context."""
     cfg = {"tiny": ModelConfig.tiny, "flash": ModelConfig.flash, "pro": ModelConfig.pro}[preset]()
     if experts:
         cfg = cfg.replace(n_experts=experts, n_active=min(cfg.n_active, experts))
@@ -191,7 +194,8 @@ def run(preset: str = "tiny", layers: Optional[int] = None, experts: Optional[in
     bw = copy_bandwidth(device)
     name = f"{preset} L{cfg.num_layers} E{cfg.n_experts}"
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s, "
-          f"{dtype} weights, kv_dtype={kv_dtype}, compile backend {backend}", file=out)
+          f"{dtype} weights, kv_dtype={kv_dtype}, compile backend {backend}"
+          + (f", block tables for max_context={max_context}" if max_context else ""), file=out)
     cover = kernel_coverage()
     print("native kernels: " + (", ".join(k for k, v in cover.items() if v == "native") or "none") +
           "; reference ops: " + ", ".join(k for k, v in cover.items() if v == "reference"), file=out)
@@ -200,9 +204,17 @@ def run(preset: str = "tiny", layers: Optional[int] = None, experts: Optional[in
     for context in sorted(set(c for _, c in plan)):
         bs = sorted(b for b, c in plan if c == context)
         context = min(context, cfg.max_position - 64)  # room for the timed decode steps
-        rt = Runtime(model, max_requests=max(bs), max_context=context + 64, kv_dtype=kv_dtype,
+        if max_context and max_context < context + 64:
+            raise ValueError(f"max_context {max_context} is below context {context} + 64 decode steps")
+        wide = max_context or context + 64
+        rt = Runtime(model, max_requests=max(bs), max_context=wide, kv_dtype=kv_dtype,
                      max_tokens_per_step=max(bs), backend=backend,
+                     num_blocks=max(bs) * math.ceil((context + 64) / BLOCK_TOKENS) if max_context else None,
                      log=lambda m: print(m, file=sys.stderr, flush=True))
+        cache_gib = sum(t.numel() * t.element_size() for t in rt.cache.buffers()) / 2**30
+        alloc, reserved = torch.cuda.memory_allocated() / 2**30, torch.cuda.memory_reserved() / 2**30
+        print(f"context {context}: caches {cache_gib:.2f} GiB, device memory after capture: allocated "
+              f"{alloc:.2f} GiB, reserved {reserved:.2f} GiB", file=sys.stderr, flush=True)
         for b in bs:
             handles = [rt.admit_synthetic(context, seed=i) for i in range(b)]
             ms, host_ms, bucket = time_decode(rt, handles)
