@@ -165,6 +165,37 @@ def test_fp4_round_trip_equals_fake_quant(dtype):
                                rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp4_fake_quant_equals_nearest_code_search(dtype):
+    """The arithmetic rounding (round-half-even of |y| / step) against a search of the 8 magnitudes for the nearest,
+    ties to the even code: grid points, ties and near-ties in every span, both signs, zeros, block scales from
+    subnormal to 2^100."""
+    from dsv4rt.ops.kv_quant import FP4_AMAX_FLOOR, FP4_MAX, _e2m1_magnitude, _pow2_scale
+
+    def search(x):
+        xb = x.float().reshape(*x.shape[:-1], -1, 32)
+        scale = _pow2_scale(xb.abs().amax(-1, keepdim=True).clamp_min(FP4_AMAX_FLOOR), FP4_MAX)
+        y = xb / scale
+        code = torch.arange(8)
+        dist = (y.abs().unsqueeze(-1) - _e2m1_magnitude(code)).abs()
+        rank = torch.where(dist == dist.min(-1, keepdim=True).values, code + 8 * (code % 2), 100)
+        return (torch.copysign(_e2m1_magnitude(code)[rank.argmin(-1)], y) * scale).reshape(x.shape).to(x.dtype)
+
+    g = torch.Generator().manual_seed(7)
+    pts = torch.tensor([0, .2499, .25, .26, .5, .75, 1, 1.25, 1.5, 1.75, 1.9999, 2, 2.5, 2.51, 3, 3.5, 4, 4.0001, 5,
+                        5.5, 5.999, 6])
+    for _ in range(20):
+        y = pts[torch.randint(0, pts.numel(), (32, 4, 32), generator=g)]
+        y = y * torch.where(torch.rand(32, 4, 32, generator=g) < 0.5, -1.0, 1.0)
+        y[:, :, 0] = 6.0  # the block's amax: its scale is 2^e exactly, so ties stay ties
+        x = (y * torch.exp2(torch.randint(-125, 100, (32, 4, 1), generator=g).float())).reshape(32, 128)
+        r = torch.randn(32, 128, generator=g) * torch.exp2(torch.randint(-135, 100, (32, 1), generator=g).float())
+        for t in (x, r, torch.zeros(2, 128), -torch.zeros(2, 128)):
+            t = t.to(dtype)
+            want, got = search(t), idx_fp4_fake_quant(t)
+            assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+
+
 # ------------------------------------------------------------------------------------------ Hadamard
 def test_hadamard_sylvester_order():
     h4 = torch.tensor([[1, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1], [1, -1, -1, 1]], dtype=torch.float32) / 2
