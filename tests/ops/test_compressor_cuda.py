@@ -95,12 +95,21 @@ def _long(m: int) -> tuple[Seg, ...]:
     return (Seg(0, 0, n * m + 1), Seg(1, 3 * m + 2, (n - 1) * m + 3), Seg(2, 5 * m, (n // 3) * m + 2))
 
 
+def _anchors(m: int) -> tuple[Seg, ...]:
+    # requests that close a window and leave open rows, several ending within m tokens of each other (several owners
+    # and new open windows in one chunk of a kernel, or one span of HCA's bulk grid): closes w0 at its first token, 2
+    # open rows / closes w1 from mid-window, 2 open rows / from 0 past one window, 5 open rows / a decode token that
+    # closes nothing
+    return (Seg(0, m - 1, 3), Seg(1, 2 * m - 2, 4), Seg(2, 0, m + 5), Seg(3, 3 * m + 7, 1))
+
+
 # name -> (segments for ratio m, indices of the segments before which a PAD token goes; len(segs): at the end)
 SCENARIOS: dict[str, tuple[Callable[[int], tuple[Seg, ...]], tuple[int, ...]]] = {
     "decode": (_decode, (2, 6)),
     "prefill": (_prefill, (6, 6)),
     "mixed": (_mixed, (1, 3, 5)),
     "long": (_long, (1,)),
+    "anchors": (_anchors, (1, 4)),
 }
 
 
