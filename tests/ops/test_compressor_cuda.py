@@ -98,8 +98,8 @@ def _long(m: int) -> tuple[Seg, ...]:
 def _anchors(m: int) -> tuple[Seg, ...]:
     # requests that close a window and leave open rows, several ending within m tokens of each other (several owners
     # and new open windows in one chunk of a kernel, or one span of HCA's bulk grid): closes w0 at its first token, 2
-    # open rows / closes w1 from mid-window, 2 open rows / from 0 past one window, 5 open rows / a decode token that
-    # closes nothing
+    # open rows / closes w1 from mid-window, 2 open rows / from 0 past one window, 5 open rows / a decode token (it
+    # closes a window for m = 4, none for m = 128)
     return (Seg(0, m - 1, 3), Seg(1, 2 * m - 2, 4), Seg(2, 0, m + 5), Seg(3, 3 * m + 7, 1))
 
 
