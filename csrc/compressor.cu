@@ -1737,7 +1737,8 @@ Config pick_online(const CompressorArgs& a) {
   Config cfg;
   const int quads = a.d / 4;
   // groups: with a bulk grid behind, the kernel's only work is the owner's path (its window's rows, then the new open
-  // window's), which sets the call's time: its rows split over twice the threads, two slot groups of a CTA
+  // window's), which ends within a few us of the bulk grid: its rows split over twice the threads, two slot groups of
+  // a CTA
   int groups = a.bulk ? 2 : 1;
   const int g_env = env_int("DSV4RT_COMPRESSOR_GROUPS", 0);
   if (g_env > 0) groups = g_env;
