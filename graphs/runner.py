@@ -24,7 +24,7 @@ class GraphRunner:
     """One compiled function, one CUDA graph per bucket key, one shared memory pool and capture stream."""
 
     def __init__(self, fn: Callable[[Any], torch.Tensor], args_for: Callable[[Hashable], Any],
-                 log: Optional[Callable[[str], None]] = None, backend: str = "inductor") -> None:
+                 log: Optional[Callable[[str], None]] = None, backend: str | Callable = "inductor") -> None:
         # backend: "inductor" (fused kernels) or "aot_eager" (same trace, no codegen: fast to capture; mutations of
         # custom ops done in place, backend.py), or any torch.compile backend
         self.fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=resolve(backend))
