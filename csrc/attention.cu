@@ -943,6 +943,10 @@ __global__ void __launch_bounds__(MmaCfg<D, MT>::kCtaThreads, 1)
 // before is computed.
 // mbarriers: full[b] (the producer's 128 threads), empty[b] (the 256 math threads, once their products have read K
 // tile b), pfull[b] (warpgroup 0), pempty[b] (warpgroup 1) for the two P tiles; tile it uses K and P tile it & 1.
+// Three warpgroups, not four: at 512 threads a thread may hold 128 registers, and ptxas needs at least 158 for the 128
+// accumulators of wgmma m64n256, so a second producer warpgroup does not fit. Warpgroup 1 running the index pipeline
+// (the tiles' row pointers through a ring in shared memory) was slower (docs/benchmarks.md, branch
+// wip/attn-index-wg1).
 struct PcCfg {
   static constexpr int kThreads = 384;
   static constexpr int kKBytes = kNT * 1024;               // an fp16 K tile [8 atoms][64][128 B]
