@@ -1,9 +1,11 @@
 // Torch binding of the MoE family: checks, then csrc/moe.cu on the current stream. moe_gate runs its kernel for up to
 // 8 tokens (x cast inside it) and a cuBLAS GEMM above that (bf16 x and weight: fp32 output of the bf16 inputs; else
 // the reference's own call). moe_experts picks its path from shapes only:
-// large batches (bf16, more than DSV4RT_MOE_GROUPED_MIN_PAIRS = 3072 rows by default, the shared expert's T rows
-// counted with the T * k pairs) run the projections as grouped GEMMs (at::_grouped_mm, offsets computed on the device)
-// between the plan, activation and combine kernels, the shared expert as plain GEMMs on its separate weights; the rest
+// large batches (bf16, more than DSV4RT_MOE_GROUPED_MIN_PAIRS rows: by default 768 where the grouped kernel runs,
+// 3072 elsewhere; the shared expert's T rows counted with the T * k pairs) run the projections as grouped GEMMs
+// between the plan and combine kernels: on sm_90 the grouped kernel of csrc/moe.cu (moe_gmm_kernel: TMA, wgmma, the
+// activation in its epilogue; DSV4RT_MOE_GMM=0 turns it off), else at::_grouped_mm and the activation kernel
+// (offsets computed on the device); the shared expert as plain GEMMs on its separate weights; the rest
 // run the plan, expert GEMV and combine kernels, the shared expert one more slot of the GEMVs; tiny batches (opt-in,
 // see kTinyTokens: T <= 8 tokens, T * k <= 64 pairs; bf16/fp16, D and I multiples of 32) can run two expert kernels
 // that plan and combine inside themselves instead. Knobs, read at each call (so at capture time for a CUDA graph):
@@ -38,7 +40,10 @@ namespace {
 // Batches up to this many tokens take the tiny path (at most moe_tiny_max_tokens). 0: opt-in (DSV4RT_MOE_TINY=8)
 // until its kernels are measured faster than the GEMV path.
 constexpr int64_t kTinyTokens = 0;
-constexpr int64_t kGroupedMinPairs = 3072;  // measured crossover (H200): ~3.6K pairs (512 tokens, top-6 + shared)
+constexpr int64_t kGroupedMinPairs = 3072;  // measured crossover with at::_grouped_mm (H200): ~3.6K pairs (512 tokens)
+// with the grouped kernel (moe_gmm_kernel; H200, Flash dims, us a call): 128 tokens (896 rows) 2,580 against 2,828 on
+// the GEMV path, 256 tokens 2,877 / 3,143 against 3,330 / 3,335; 64 tokens (448 rows) stay on the GEMV path
+constexpr int64_t kGmmMinPairs = 768;
 constexpr int64_t kMaxExperts = 4096;       // the plan keeps two ints per expert in shared memory
 constexpr int64_t kMaxGroupedExperts = 1023;  // at::_grouped_mm takes fewer than 1024 groups
 constexpr int64_t kMaxRouteExperts = 1024;  // 32 per lane of a router warp
@@ -245,8 +250,11 @@ at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& w13, const at
   a.plan = dsv4rt::moe_plan_views(workspace.data_ptr<int32_t>(), n_exp, n_pairs);
   // The threshold counts the shared expert's rows as pairs: both paths compute them.
   const int64_t rows = n_pairs + (shared ? n_tok : 0);
+  // the grouped kernel (csrc/moe.cu) where it runs, else at::_grouped_mm: each with its own crossover
+  const bool gmm = dtype == dsv4rt::kMoeBF16 && tensor_cores && env_int("DSV4RT_MOE_GMM", 1) != 0 &&
+                   w13.is_contiguous() && w2.is_contiguous() && dsv4rt::moe_gmm_supported(dim, inter, n_exp);
   const bool grouped = dtype == dsv4rt::kMoeBF16 && tensor_cores && n_exp <= kMaxGroupedExperts && n_pairs > 0 &&
-                       rows > env_int("DSV4RT_MOE_GROUPED_MIN_PAIRS", kGroupedMinPairs);
+                       rows > env_int("DSV4RT_MOE_GROUPED_MIN_PAIRS", gmm ? kGmmMinPairs : kGroupedMinPairs);
   if (!grouped) {
     at::Tensor act = at::empty({rows, inter}, x.options());
     at::Tensor y = at::empty({rows, dim}, x.options().dtype(at::kFloat));
@@ -272,6 +280,21 @@ at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& w13, const at
   const at::Tensor offs = workspace.narrow(0, 0, n_exp);  // expert_end: the grouped GEMMs' offsets
   const at::Tensor pair_tok = workspace.narrow(0, n_exp + 2 * n_slots + 1, n_pairs);
   const at::Tensor xs = at::index_select(x, 0, pair_tok);  // [P, D], tokens in expert order
+  if (gmm && xs.is_contiguous() && aligned16(xs)) {
+    // a CTA an (item of at most 128 of an expert's rows, tile of 256 weight rows): each weight read once (csrc/moe.cu)
+    at::Tensor act = at::empty({n_pairs, inter}, x.options());
+    dsv4rt::MoeGmmArgs g{xs.data_ptr(), w13.data_ptr(), a.plan.expert_end, act.data_ptr(), dim, 2 * inter, inter,
+                         inter, a.limit, n_pairs, static_cast<int>(a.n_experts)};
+    check_launch(dsv4rt::moe_gmm_launch(g, true, stream), "moe_experts");
+    at::Tensor y = at::empty({n_pairs, dim}, x.options());
+    dsv4rt::MoeGmmArgs g2{act.data_ptr(), w2.data_ptr(), a.plan.expert_end, y.data_ptr(), inter, dim, dim, inter,
+                          a.limit, n_pairs, static_cast<int>(a.n_experts)};
+    check_launch(dsv4rt::moe_gmm_launch(g2, false, stream), "moe_experts");
+    check_launch(dsv4rt::moe_combine_launch(a, y.data_ptr(), false, dim, shared ? shared_y.data_ptr() : nullptr,
+                                            dim, stream),
+                 "moe_experts");
+    return out;
+  }
   const at::Tensor h = at::_grouped_mm(xs, w13.transpose(1, 2), offs);  // [P, 2I]
   TORCH_CHECK(h.stride(1) == 1 && h.stride(0) % 8 == 0 && aligned16(h), "moe_experts: unexpected grouped GEMM layout");
   at::Tensor act = at::empty({n_pairs, inter}, x.options());

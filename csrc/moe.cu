@@ -27,7 +27,8 @@
 // plan kernel lets the up kernel start at once, and the up kernel's shared-expert CTAs (x and the shared weights, no
 // plan) do their work before they wait; on the tiny path the shared slot's items run before the wait. The shared
 // expert then overlaps the router and the plan.
-// Large batches run the two projections as grouped GEMMs (the binding) around the plan, activation and combine.
+// Large batches run the two projections as grouped GEMMs (moe_gmm_kernel, or at::_grouped_mm in the binding) around the
+// plan (and, with at::_grouped_mm, the activation) and the combine.
 // With programmatic dependent launches each kernel's CTAs get resident while its predecessor drains; every CTA
 // waits (griddepcontrol.wait) before it reads what its predecessor wrote and before it exits, so each kernel
 // completes only after the one before it. The down kernel prefetches its weight tile into L2 before that wait.
@@ -37,6 +38,8 @@
 #include <cstdlib>
 #include <utility>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -1512,6 +1515,239 @@ cudaError_t launch_mma_pair(const GemvArgs& g, int64_t slots, cudaStream_t strea
                 g);
 }
 
+
+// ------------------------------------------------------------------------------------------ large batches (sm_90a)
+// Grouped GEMMs of the routed experts for large batches (prefill chunks), bf16. Work items: each expert's token rows
+// in items of at most 128 rows (the plan's expert_end, scanned by every CTA); CTA (x, y) multiplies item y by weight
+// tile x (256 weight rows), so an expert of at most 128 rows (most, in a prefill chunk) reads each weight byte once,
+// and the items of a larger expert, adjacent in launch order, read a tile at about the same time (the second read
+// mostly from L2). Warp specialised, 3 warpgroups: one thread of warpgroup 0 issues the tensor copies (TMA: a box of
+// 128 token rows and two of 128 weight rows a k-chunk of 64, 128-byte swizzle, into a ring of 4 stages of 48 KB);
+// warpgroups 1 and 2 each multiply 64 of the item's rows (warpgroup 2 idles on items of at most 64 rows) by the tile
+// with wgmma m64n256k16 (fp32 accumulators, 128 a thread).
+//   * up (kUp): the tile is 128 gate rows [i0, i0 + 128) and the matching 128 up rows [I + i0, ...) of w13[e]: the
+//     epilogue writes act = clamped SwiGLU of the pair (rounded as the reference rounds h) for those 128 channels;
+//   * down: the tile is 256 rows of w2[e] (output dims); the epilogue writes y [P, D] in bf16 (the reference's
+//     F.linear rounding).
+// Rows [off_e, end_e) of A (xs or act, [P, K] row-major) are expert e's. Token rows past an item's are read (other
+// experts' rows, or zeros past P) and never stored.
+// Why this shape (H200, 4,096 tokens, the benchmark's skewed routing, us for up / down): at::_grouped_mm's CUTLASS
+// kernels take 4,843 for both; a first kernel of this kind (tiles of 128 weight rows, cp.async copies by a warpgroup,
+// m64n128k16, an expert's rows in passes) 3,260 / 1,667, and without any copy still 2,616 / 1,114 (without the
+// multiplies 2,739 / 1,343): each half slow. Tiles of 256 rows with TMA copies: 2,809 / 1,440, then copy-bound
+// (without the multiplies 2,795); items instead of passes (large experts' weights no longer read again later):
+// 2,482 / 1,247. Token rows skipped (timing only) 2,396 / 1,214, so their reads from L2 cost little; two k-chunks
+// copied at once (256 contiguous bytes a weight row) 2,674 / 1,339, slower.
+constexpr int kGmmBN = 256, kGmmBM = 128, kGmmBK = 64, kGmmStages = 4, kGmmThreads = 384;
+constexpr int kGmmABytes = kGmmBM * 128, kGmmBBytes = kGmmBN * 128, kGmmStageBytes = kGmmABytes + kGmmBBytes;
+// the ring, its mbarriers (full[4], empty[4]), the item (e, first row, end) and the scan's 12 warp sums
+constexpr size_t kGmmSmem = static_cast<size_t>(kGmmStages) * kGmmStageBytes + 2 * kGmmStages * 8 + 16 * 4 + 1024;
+constexpr int kGmmMathRegs = 232, kGmmCopyRegs = 40;  // 128 x (40 + 2 x 232) = 64,512 registers
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DSV4RT_GMM_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define DSV4RT_GMM_ASM(...) __trap()
+#endif
+
+__device__ __forceinline__ void gmm_wgmma_fence() { DSV4RT_GMM_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void gmm_wgmma_commit() { DSV4RT_GMM_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void gmm_wgmma_wait0() { DSV4RT_GMM_ASM("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void gmm_wgmma_wait1() { DSV4RT_GMM_ASM("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void gmm_setmaxnreg_inc() { DSV4RT_GMM_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void gmm_setmaxnreg_dec() { DSV4RT_GMM_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+
+// K-major bf16 operand in 128-byte swizzled atoms (8 rows of 128 bytes, 1 KB aligned): leading offset unused, 1 KB
+// between 8-row groups; a k16 step is +32 bytes of the start address.
+__device__ __forceinline__ uint64_t gmm_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+// box (c0 = k, c1 = row) of a 2D tensor map -> shared dst (1 KB aligned), completing on bar
+__device__ __forceinline__ void gmm_tma_load(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+  DSV4RT_GMM_ASM(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+// d (+)= A B^T, m64n256k16, bf16: A (64 rows) and B (256 rows) K-major in shared memory, 128-byte swizzle
+__device__ __forceinline__ void gmm_wgmma(float (&d)[128], uint64_t da, uint64_t db, int accumulate) {
+  DSV4RT_GMM_ASM(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// The k-loop of a multiplying warpgroup over its 64 rows (at byte a_off of a stage's token rows). A chunk's wgmmas
+// stay in flight while the next chunk's are issued; its stage is released once they have completed. !LIVE (no row
+// of this warpgroup in the item): the stages are released as they fill.
+template <bool LIVE>
+__device__ __forceinline__ void gmm_kloop(float (&acc)[128], uint32_t ring, uint32_t full, uint32_t empty, int nk,
+                                          int a_off) {
+  int prev = -1;
+  for (int kc = 0; kc < nk; ++kc) {
+    const int s = kc % kGmmStages;
+    mbar_wait(full + 8 * s, (kc / kGmmStages) & 1);
+    if constexpr (LIVE) {
+      const uint32_t sa = ring + s * kGmmStageBytes + a_off, sb = ring + s * kGmmStageBytes + kGmmABytes;
+      gmm_wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kGmmBK / 16; ++ks)
+        gmm_wgmma(acc, gmm_desc(sa + 32 * ks), gmm_desc(sb + 32 * ks), (kc > 0 || ks > 0) ? 1 : 0);
+      gmm_wgmma_commit();
+      if (prev >= 0) {
+        gmm_wgmma_wait1();  // the previous chunk's wgmmas are done: its stage may be refilled
+        mbar_arrive(empty + 8 * prev);
+      }
+      prev = s;
+    } else {
+      mbar_arrive(empty + 8 * s);
+    }
+  }
+  if constexpr (LIVE) {
+    gmm_wgmma_wait0();
+    if (prev >= 0) mbar_arrive(empty + 8 * prev);
+  }
+}
+
+template <bool kUp>
+__global__ void __launch_bounds__(kGmmThreads, 1)
+    moe_gmm_kernel(const __grid_constant__ MoeGmmArgs g, const __grid_constant__ CUtensorMap tma,
+                   const __grid_constant__ CUtensorMap tmb) {
+  const int tile = blockIdx.x;
+  extern __shared__ uint8_t gmm_smem_raw[];
+  uint8_t* base = gmm_smem_raw + ((1024 - (smem_u32(gmm_smem_raw) & 1023)) & 1023);  // swizzle atoms: 1 KB aligned
+  const uint32_t ring = smem_u32(base);
+  const uint32_t full = ring + kGmmStages * kGmmStageBytes, empty = full + 8 * kGmmStages;
+  int* item = reinterpret_cast<int*>(base + kGmmStages * kGmmStageBytes + 2 * kGmmStages * 8);  // [3]: e, off, end
+  // the CTA's item (blockIdx.y): each expert's rows in items of at most 128, in expert order (a scan of the items
+  // per expert, one thread an expert); CTAs past the last item exit
+  {
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    int beg = 0, end = 0, n = 0;
+    if (t < g.n_experts) {
+      end = g.expert_end[t];
+      beg = t > 0 ? g.expert_end[t - 1] : 0;
+      n = (end - beg + kGmmBM - 1) / kGmmBM;
+    }
+    int incl = n;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    int* wsum = item + 4;  // [12] the warps' totals
+    if (t == 0) item[0] = -1;
+    if (lane == 31) wsum[warp] = incl;
+    __syncthreads();
+    int before = 0;
+    for (int w = 0; w < warp; ++w) before += wsum[w];
+    incl += before;
+    const int y = static_cast<int>(blockIdx.y);
+    if (n > 0 && y >= incl - n && y < incl) {
+      item[0] = t;
+      item[1] = beg + (y - (incl - n)) * kGmmBM;
+      item[2] = end;
+    }
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < kGmmStages; ++s) {
+        mbar_init(full + 8 * s, 1);      // the copying thread's arrival (with the stage's bytes)
+        mbar_init(empty + 8 * s, 256);   // the two multiplying warpgroups' arrivals
+      }
+      mbar_init_fence();
+    }
+    __syncthreads();
+  }
+  const int e = item[0];
+  if (e < 0) return;
+  const int off = item[1], rows = min(item[2] - off, kGmmBM);  // this item: rows [off, off + rows)
+  const int nk = static_cast<int>(g.k / kGmmBK);
+  const int wg = threadIdx.x >> 7;
+  if (wg == 0) {
+    gmm_setmaxnreg_dec<kGmmCopyRegs>();
+    if (threadIdx.x != 0) return;
+    // weight rows of the tile's two boxes: up, 128 gate rows and the matching up rows; down, 256 consecutive rows
+    const int brow0 = static_cast<int>(e * g.b_rows + (kUp ? tile * 128 : tile * kGmmBN));
+    const int brow1 = kUp ? static_cast<int>(brow0 + g.inter) : brow0 + 128;
+    for (int kc = 0; kc < nk; ++kc) {
+      const int s = kc % kGmmStages;
+      if (kc >= kGmmStages) mbar_wait(empty + 8 * s, ((kc / kGmmStages) - 1) & 1);
+      const uint32_t sa = ring + s * kGmmStageBytes, bar = full + 8 * s;
+      mbar_arrive_expect_tx(bar, kGmmStageBytes);
+      gmm_tma_load(sa, &tma, kc * kGmmBK, off, bar);
+      gmm_tma_load(sa + kGmmABytes, &tmb, kc * kGmmBK, brow0, bar);
+      gmm_tma_load(sa + kGmmABytes + 128 * 128, &tmb, kc * kGmmBK, brow1, bar);
+    }
+    return;
+  }
+  gmm_setmaxnreg_inc<kGmmMathRegs>();
+  // multiplying warpgroups: cw 0 / 1 takes the item's rows [64 cw, 64 cw + 64)
+  const int cw = wg - 1, tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
+  float acc[128];
+  // the k-loop as a template on liveness, so that no wgmma sits in a branch (ptxas serialises wgmmas in a path it
+  // cannot prove uniform)
+  if (rows <= 64 * cw) {
+    gmm_kloop<false>(acc, ring, full, empty, nk, 0);
+    return;
+  }
+  gmm_kloop<true>(acc, ring, full, empty, nk, 64 * cw * 128);
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+  // accumulator (m64nNk16): register 4j + 2h + c is row 16 warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + c
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = 64 * cw + 16 * warp + (lane >> 2) + 8 * h;
+    if (r >= rows) continue;
+    const int64_t row = static_cast<int64_t>(off) + r;
+    if constexpr (kUp) {
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(g.out) + row * g.ldo + tile * 128 + 2 * (lane & 3);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float a0 = clamped_swiglu<__nv_bfloat16>(acc[4 * j + 2 * h], acc[4 * (j + 16) + 2 * h], g.limit);
+        const float a1 = clamped_swiglu<__nv_bfloat16>(acc[4 * j + 2 * h + 1], acc[4 * (j + 16) + 2 * h + 1], g.limit);
+        *reinterpret_cast<__nv_bfloat162*>(out + 8 * j) = __floats2bfloat162_rn(a0, a1);
+      }
+    } else {
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(g.out) + row * g.ldo + tile * kGmmBN + 2 * (lane & 3);
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<__nv_bfloat162*>(out + 8 * j) = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+    }
+  }
+}
+
+// cuTensorMapEncodeTiled from the driver (through the runtime: no link against libcuda), or null
+PFN_cuTensorMapEncodeTiled_v12000 moe_tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// A map over a row-major bf16 matrix [rows, k] for boxes of 64 k x 128 rows, 128-byte swizzle (zeros past the end)
+cudaError_t encode_rows_map(CUtensorMap* map, const void* base, int64_t rows, int64_t k) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = moe_tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kGmmBK), 128};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, elem,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
 }  // namespace
 
 MoePlan moe_plan_views(int32_t* workspace, int64_t n_experts, int64_t n_pairs) {
@@ -1574,6 +1810,33 @@ cudaError_t moe_plan_launch(const MoeExpertsArgs& a, cudaStream_t stream) {
   const int n_pairs = static_cast<int>(a.n_tokens * a.topk);
   return launch(moe_plan_kernel, dim3(1), dim3(kPlanThreads), 2 * a.n_experts * sizeof(int), stream, a.pdl, a.ids,
                 n_pairs, a.topk, a.n_experts, static_cast<int>(n_slots(a)), a.plan, a.x_ready);
+}
+
+bool moe_gmm_supported(int64_t dim, int64_t inter, int64_t n_experts) {
+  int dev = 0, major = 0, minor = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  return major == 9 && minor == 0 && n_experts <= kGmmThreads && dim % kGmmBN == 0 && inter % 128 == 0 && dim % kGmmBK == 0 &&
+         inter % kGmmBK == 0 && moe_tensor_map_encoder() != nullptr;
+}
+
+cudaError_t moe_gmm_launch(const MoeGmmArgs& g, bool up, cudaStream_t stream) {
+  // the tensor maps (host-side encodes, no stream work: safe while capturing): A [P, K], B [E * b_rows, K], boxes of
+  // 64 k x 128 rows in the 128-byte swizzle
+  CUtensorMap tma, tmb;
+  cudaError_t err = encode_rows_map(&tma, g.a, g.a_rows, g.k);
+  if (err == cudaSuccess) err = encode_rows_map(&tmb, g.b, g.n_experts * g.b_rows, g.k);
+  if (err != cudaSuccess) return err;
+  auto kernel = up ? moe_gmm_kernel<true> : moe_gmm_kernel<false>;
+  // every call (a host-side attribute, no stream work: safe while capturing; per device, whichever is current)
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kGmmSmem));
+  if (err != cudaSuccess) return err;
+  const int64_t n_tiles = up ? g.inter / 128 : g.b_rows / kGmmBN;
+  // items: at most one partial pass an expert beyond the rows' full passes
+  const int64_t n_items = g.n_experts + (g.a_rows + kGmmBM - 1) / kGmmBM;
+  return launch(kernel, dim3(static_cast<unsigned>(n_tiles), static_cast<unsigned>(n_items)), dim3(kGmmThreads),
+                kGmmSmem, stream, false, g, tma, tmb);
 }
 
 cudaError_t moe_act_launch(const MoeExpertsArgs& a, const void* gate, const void* up, int64_t h_stride, void* act,

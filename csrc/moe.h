@@ -106,7 +106,27 @@ cudaError_t moe_experts_tiny_launch(const MoeExpertsArgs& a, void* act, cudaStre
 cudaError_t moe_experts_small_launch(const MoeExpertsArgs& a, void* act, float* y, bool tensor_cores,
                                      cudaStream_t stream);
 
-// Large batches (grouped GEMMs, and the shared expert's plain GEMMs, run by the binding between these launches):
+// Grouped GEMMs of the routed experts for large batches (bf16, sm_90 only: moe_gmm_supported), one launch each:
+//   up (up = true):  act[p, i] = clamped SwiGLU(a[p] . w13[e, i], a[p] . w13[e, I + i]), a = xs [P, D], K = D;
+//   down:            out[p, n] = a[p] . w2[e, n] (bf16), a = act [P, I], K = I;
+// for the rows p of expert e: [expert_end[e - 1], expert_end[e]) (the plan's inclusive offsets). The launcher encodes
+// the TMA tensor maps of a and b (host-side, no stream work: capture-safe).
+struct MoeGmmArgs {
+  const void* a;               // [P, K] bf16, rows in expert order
+  const void* b;               // [E, b_rows, K] bf16 (w13: b_rows = 2I; w2: b_rows = D)
+  const int32_t* expert_end;   // [E]
+  void* out;                   // up: act [P, I]; down: y [P, D] (bf16, row stride ldo elements)
+  int64_t k, b_rows, ldo, inter;
+  float limit;
+  int64_t a_rows;              // P: rows of a
+  int n_experts;               // E
+};
+// D a multiple of 256, I of 128, E at most 384, an sm_90 device and the driver's tensor-map encoder
+bool moe_gmm_supported(int64_t dim, int64_t inter, int64_t n_experts);
+cudaError_t moe_gmm_launch(const MoeGmmArgs& g, bool up, cudaStream_t stream);
+
+// Large batches (the grouped GEMMs above or at::_grouped_mm, and the shared expert's plain GEMMs, run by the binding
+// between these launches):
 //   moe_plan_launch:   the routing plan;
 //   moe_act_launch:    act[p] = clamped SwiGLU of (gate[p], up[p]) (row stride h_stride, elements) for p < n_rows;
 //   moe_combine_launch: out[t] = sum_j weights[t, j] * y[pos_of[t, j]] (+ shared_y[t] when not null) (y [P, D] and

@@ -47,9 +47,9 @@ D, I, E, K = 4096, 2048, 256, 6
 SCALE, LIMIT = 1.5, 10.0
 EXPERT_BYTES = 3 * D * I * 2                       # gate, up and down rows of one expert, bf16
 TARGETS = {1: ("bandwidth", 1.25), 64: ("bandwidth", 1.5), 4096: ("matmul", 0.60)}
-INPUT_SETS = {1: 16, 2: 16, 4: 8, 8: 8, 64: 4, 256: 2, 512: 2, 1024: 2, 4096: 2}
+INPUT_SETS = {1: 16, 2: 16, 4: 8, 8: 8, 64: 4, 128: 2, 256: 2, 512: 2, 1024: 2, 4096: 2}
 # calls per graph: replay launch cost hidden
-REPEATS = {1: 48, 2: 32, 4: 16, 8: 16, 64: 8, 256: 4, 512: 4, 1024: 2, 4096: 4}
+REPEATS = {1: 48, 2: 32, 4: 16, 8: 16, 64: 8, 128: 4, 256: 4, 512: 4, 1024: 2, 4096: 4}
 ROUNDS = 15
 RESULTS: list[str] = []
 
@@ -203,7 +203,7 @@ def test_bench_moe_knobs(benchmark, moe_weights, copy_bandwidth, tokens, variant
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("path", ["gemv", "grouped"])
-@pytest.mark.parametrize("tokens", [256, 512, 1024])
+@pytest.mark.parametrize("tokens", [128, 256, 512, 1024])
 def test_bench_moe_crossover(benchmark, moe_weights, copy_bandwidth, matmul_rate, tokens, path, monkeypatch):
     """Both expert paths at one size (the path is forced through the threshold knob at capture time)."""
     monkeypatch.setenv("DSV4RT_MOE_GROUPED_MIN_PAIRS", str(1 << 40) if path == "gemv" else "0")

@@ -13,7 +13,8 @@ filled with NaN before each kernel call, so any output row or workspace entry th
 Flash dims (D 4096, I 2048, 256 routed experts, top-6, the shared expert as three separate tensors as the model
 holds them) at T = 1, 8 and 64 (plan, expert GEMV and combine kernels; the shared expert one more slot; up to 8 tokens
 also the opt-in tiny path: two kernels that plan and combine inside themselves) and 4096 (grouped GEMMs; the shared
-expert plain GEMMs), with: random routing (most experts chosen by no token), one expert chosen by every token, hash
+expert plain GEMMs; the grouped GEMM kernel against at::_grouped_mm too, and at 600 tokens and with 384 experts),
+with: random routing (most experts chosen by no token), one expert chosen by every token, hash
 routing (repeated ids included), padded rows (garbage x, one expert repeated k times), skewed routing (Zipf-like:
 thousands of rows on a few experts, a few rows on many); with and without the shared expert. Small dims: every path
 around its thresholds (tiny: T <= 8 and T * k <= 64; grouped: more than 3072 rows, the shared expert's T rows counted),
@@ -44,7 +45,8 @@ NORM_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 
 FLASH_D, FLASH_I, FLASH_E, TOPK = 4096, 2048, 256, 6
 SCALE, LIMIT = 1.5, 10.0
-GROUPED_MIN_PAIRS = 3072  # csrc/moe.cpp: T * k (+ T with a shared expert) above this runs the grouped GEMMs (bf16)
+GROUPED_MIN_PAIRS = 3072  # csrc/moe.cpp: T * k (+ T with a shared expert) above this runs the grouped GEMMs (bf16;
+# at the factory dims, which the grouped kernel does not take: above 768 rows where it does)
 TINY_TOKENS = 8  # csrc/moe.h: T <= 8 and T * k <= 64 can run the tiny path (bf16/fp16; DSV4RT_MOE_TINY picks)
 
 
@@ -281,6 +283,34 @@ def test_experts_flash_matches_reference(flash_weights, n_tokens, scenario, smal
     want = moe_experts_ref(*args)
     got = run_kernel(args, poison=3 << 29)
     assert_experts_close(got, want)
+
+
+@pytest.mark.parametrize("scenario", ["random", "every_token", "padded", "skewed"])
+@pytest.mark.parametrize("n_tokens", [600, 4096])
+def test_experts_flash_grouped_kernel(flash_weights, n_tokens, scenario, monkeypatch):
+    """The large-batch path's grouped GEMM kernel (moe_gmm_kernel: items of 128 rows, TMA, wgmma m64n256) and
+    at::_grouped_mm (DSV4RT_MOE_GMM=0), each against the reference and against each other: 600 tokens (3,600 pairs,
+    just above the grouped threshold: items of a few rows) and 4,096 (one expert with every token: 32 items)."""
+    w13, w2, shared = flash_weights
+    x, w, ids = flash_case(n_tokens, scenario, seed=7)
+    run_both((x, w13, w2, w, ids, LIMIT, *shared), monkeypatch, "DSV4RT_MOE_GMM", "1", "0")
+
+
+def test_experts_grouped_kernel_pro_experts(monkeypatch):
+    """384 experts (V4-Pro's count; every CTA scans one expert a thread) at small dims that the grouped kernel takes
+    (D 512, I 256), 1,024 tokens, some experts with more than 128 rows, against the reference and at::_grouped_mm."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    n_exp, d, inter, n_tok = 384, 512, 256, 1024
+    w13 = torch.randn(n_exp, 2 * inter, d, generator=g, device="cuda", dtype=torch.bfloat16).mul_(6.0 * d**-0.5)
+    w2 = torch.randn(n_exp, d, inter, generator=g, device="cuda", dtype=torch.bfloat16).mul_(inter**-0.5)
+    x = torch.randn(n_tok, d, generator=g, device="cuda").to(torch.bfloat16)
+    gc = torch.Generator().manual_seed(11)
+    ids = random_choice(n_tok, n_exp - 1, TOPK, gc)
+    ids = torch.where(ids >= 5, ids + 1, ids)
+    ids[:300, 0] = 5  # expert 5: 300 rows (three items); every other expert a few
+    w = torch.rand(n_tok, TOPK, generator=gc) + 0.1
+    w = (w / w.sum(-1, keepdim=True) * SCALE).float().cuda()
+    run_both((x, w13, w2, w, ids.int().contiguous().cuda(), LIMIT), monkeypatch, "DSV4RT_MOE_GMM", "1", "0")
 
 
 @pytest.mark.parametrize("n_tokens", [1, 8, 9])
