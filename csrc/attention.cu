@@ -34,6 +34,7 @@
 #include "async_copy.cuh"
 #include "kv_quant.cuh"
 #include "launch.cuh"
+#include "wgmma.cuh"
 
 namespace dsv4rt {
 namespace {
@@ -232,16 +233,7 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint3
          (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
 }
 
-// The wgmma kernel runs on sm_90a only (the host picks it for compute capability 9.0); other targets compile a trap.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define DSV4RT_WGMMA(...) asm volatile(__VA_ARGS__)
-#else
-#define DSV4RT_WGMMA(...) __trap()
-#endif
-
-__device__ __forceinline__ void wgmma_fence() { DSV4RT_WGMMA("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { DSV4RT_WGMMA("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { DSV4RT_WGMMA("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// The wgmma kernels run on sm_90a only (the host picks them for compute capability 9.0): wgmma.cuh.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Orders uses of an accumulator after the wait (the registers are written asynchronously).
 __device__ __forceinline__ void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
@@ -763,20 +755,6 @@ constexpr int kBarFree = 6, kBarMath = 7;
 // allocation, and an increase the decreases do not cover waits forever).
 constexpr int kMathRegs = 224, kGatherRegs = 56;
 
-// setmaxnreg (sm_90a, sm_100a): a warpgroup's register count per thread, raised or lowered; elsewhere a no-op (the
-// kernel then keeps the count its launch bounds give).
-template <int N>
-__device__ __forceinline__ void reg_alloc() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(__CUDA_ARCH_FEAT_SM100_ALL)
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-#endif
-}
-template <int N>
-__device__ __forceinline__ void reg_dealloc() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(__CUDA_ARCH_FEAT_SM100_ALL)
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-#endif
-}
 
 template <int D, int MT, bool WG>
 __global__ void __launch_bounds__(MmaCfg<D, MT>::kCtaThreads, 1)

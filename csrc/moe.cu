@@ -45,6 +45,7 @@
 
 #include "launch.cuh"
 #include "async_copy.cuh"
+#include "wgmma.cuh"  // wgmma fences and waits, setmaxnreg (sm_90a)
 #include "kv_quant.cuh"  // Num<T>, round_to<T>
 #include "moe.h"
 
@@ -1544,21 +1545,6 @@ constexpr int kGmmABytes = kGmmBM * 128, kGmmBBytes = kGmmBN * 128, kGmmStageByt
 constexpr size_t kGmmSmem = static_cast<size_t>(kGmmStages) * kGmmStageBytes + 2 * kGmmStages * 8 + 16 * 4 + 1024;
 constexpr int kGmmMathRegs = 232, kGmmCopyRegs = 40;  // 128 x (40 + 2 x 232) = 64,512 registers
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define DSV4RT_GMM_ASM(...) asm volatile(__VA_ARGS__)
-#else
-#define DSV4RT_GMM_ASM(...) __trap()
-#endif
-
-__device__ __forceinline__ void gmm_wgmma_fence() { DSV4RT_GMM_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void gmm_wgmma_commit() { DSV4RT_GMM_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void gmm_wgmma_wait0() { DSV4RT_GMM_ASM("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-__device__ __forceinline__ void gmm_wgmma_wait1() { DSV4RT_GMM_ASM("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void gmm_setmaxnreg_inc() { DSV4RT_GMM_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
-template <int N>
-__device__ __forceinline__ void gmm_setmaxnreg_dec() { DSV4RT_GMM_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
-
 // K-major bf16 operand in 128-byte swizzled atoms (8 rows of 128 bytes, 1 KB aligned): leading offset unused, 1 KB
 // between 8-row groups; a k16 step is +32 bytes of the start address.
 __device__ __forceinline__ uint64_t gmm_desc(uint32_t addr) {
@@ -1568,7 +1554,7 @@ __device__ __forceinline__ uint64_t gmm_desc(uint32_t addr) {
 
 // box (c0 = k, c1 = row) of a 2D tensor map -> shared dst (1 KB aligned), completing on bar
 __device__ __forceinline__ void gmm_tma_load(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
-  DSV4RT_GMM_ASM(
+  DSV4RT_WGMMA(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
           dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
@@ -1577,7 +1563,7 @@ __device__ __forceinline__ void gmm_tma_load(uint32_t dst, const CUtensorMap* ma
 
 // d (+)= A B^T, m64n256k16, bf16: A (64 rows) and B (256 rows) K-major in shared memory, 128-byte swizzle
 __device__ __forceinline__ void gmm_wgmma(float (&d)[128], uint64_t da, uint64_t db, int accumulate) {
-  DSV4RT_GMM_ASM(
+  DSV4RT_WGMMA(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
@@ -1596,13 +1582,13 @@ __device__ __forceinline__ void gmm_kloop(float (&acc)[128], uint32_t ring, uint
     mbar_wait(full + 8 * s, (kc / kGmmStages) & 1);
     if constexpr (LIVE) {
       const uint32_t sa = ring + s * kGmmStageBytes + a_off, sb = ring + s * kGmmStageBytes + kGmmABytes;
-      gmm_wgmma_fence();
+      wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kGmmBK / 16; ++ks)
         gmm_wgmma(acc, gmm_desc(sa + 32 * ks), gmm_desc(sb + 32 * ks), (kc > 0 || ks > 0) ? 1 : 0);
-      gmm_wgmma_commit();
+      wgmma_commit();
       if (prev >= 0) {
-        gmm_wgmma_wait1();  // the previous chunk's wgmmas are done: its stage may be refilled
+        wgmma_wait<1>();  // the previous chunk's wgmmas are done: its stage may be refilled
         mbar_arrive(empty + 8 * prev);
       }
       prev = s;
@@ -1611,7 +1597,7 @@ __device__ __forceinline__ void gmm_kloop(float (&acc)[128], uint32_t ring, uint
     }
   }
   if constexpr (LIVE) {
-    gmm_wgmma_wait0();
+    wgmma_wait<0>();
     if (prev >= 0) mbar_arrive(empty + 8 * prev);
   }
 }
@@ -1670,7 +1656,7 @@ __global__ void __launch_bounds__(kGmmThreads, 1)
   const int nk = static_cast<int>(g.k / kGmmBK);
   const int wg = threadIdx.x >> 7;
   if (wg == 0) {
-    gmm_setmaxnreg_dec<kGmmCopyRegs>();
+    reg_dealloc<kGmmCopyRegs>();
     if (threadIdx.x != 0) return;
     // weight rows of the tile's two boxes: up, 128 gate rows and the matching up rows; down, 256 consecutive rows
     const int brow0 = static_cast<int>(e * g.b_rows + (kUp ? tile * 128 : tile * kGmmBN));
@@ -1686,7 +1672,7 @@ __global__ void __launch_bounds__(kGmmThreads, 1)
     }
     return;
   }
-  gmm_setmaxnreg_inc<kGmmMathRegs>();
+  reg_alloc<kGmmMathRegs>();
   // multiplying warpgroups: cw 0 / 1 takes the item's rows [64 cw, 64 cw + 64)
   const int cw = wg - 1, tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
   float acc[128];
