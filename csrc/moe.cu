@@ -1516,13 +1516,12 @@ cudaError_t launch_mma_pair(const GemvArgs& g, int64_t slots, cudaStream_t strea
                 g);
 }
 
-
 // ------------------------------------------------------------------------------------------ large batches (sm_90a)
 // Grouped GEMMs of the routed experts for large batches (prefill chunks), bf16. Work items: each expert's token rows
 // in items of at most 128 rows (the plan's expert_end, scanned by every CTA); CTA (x, y) multiplies item y by weight
 // tile x (256 weight rows), so an expert of at most 128 rows (most, in a prefill chunk) reads each weight byte once,
-// and the items of a larger expert, adjacent in launch order, read a tile at about the same time (the second read
-// mostly from L2). Warp specialised, 3 warpgroups: one thread of warpgroup 0 issues the tensor copies (TMA: a box of
+// and the items of a larger expert, adjacent in launch order, read a tile at about the same time (so that the later
+// reads can come from L2). Warp specialised, 3 warpgroups: one thread of warpgroup 0 issues the tensor copies (TMA: a box of
 // 128 token rows and two of 128 weight rows a k-chunk of 64, 128-byte swizzle, into a ring of 4 stages of 48 KB);
 // warpgroups 1 and 2 each multiply 64 of the item's rows (warpgroup 2 idles on items of at most 64 rows) by the tile
 // with wgmma m64n256k16 (fp32 accumulators, 128 a thread).
