@@ -755,7 +755,6 @@ constexpr int kBarFree = 6, kBarMath = 7;
 // allocation, and an increase the decreases do not cover waits forever).
 constexpr int kMathRegs = 224, kGatherRegs = 56;
 
-
 template <int D, int MT, bool WG>
 __global__ void __launch_bounds__(MmaCfg<D, MT>::kCtaThreads, 1)
     sparse_attn_mma_kernel(const SparseAttnArgs a, int max_tiles) {

@@ -289,8 +289,9 @@ def test_experts_flash_matches_reference(flash_weights, n_tokens, scenario, smal
 @pytest.mark.parametrize("n_tokens", [600, 4096])
 def test_experts_flash_grouped_kernel(flash_weights, n_tokens, scenario, monkeypatch):
     """The large-batch path's grouped GEMM kernel (moe_gmm_kernel: items of 128 rows, TMA, wgmma m64n256) and
-    at::_grouped_mm (DSV4RT_MOE_GMM=0), each against the reference and against each other: 600 tokens (3,600 pairs,
-    just above the grouped threshold: items of a few rows) and 4,096 (one expert with every token: 32 items)."""
+    at::_grouped_mm (DSV4RT_MOE_GMM=0), each against the reference and against each other: 600 tokens (4,200 rows
+    with the shared expert, above both paths' thresholds: items of a few rows) and 4,096 (one expert with every token:
+    32 items)."""
     w13, w2, shared = flash_weights
     x, w, ids = flash_case(n_tokens, scenario, seed=7)
     run_both((x, w13, w2, w, ids, LIMIT, *shared), monkeypatch, "DSV4RT_MOE_GMM", "1", "0")
