@@ -1394,9 +1394,10 @@ bool use_tensor_cores(const IndexerArgs& a) {
 }
 
 // The FP8 instance pays more a CTA (q's check and e4m3 staging) and less a tile (half the tensor-core work; H200,
-// 64 queries over 256K FP4 entries: score 679-683 against 758-759 us; at batch 1, 8 tiles a CTA, an earlier form
-// lost: 19.7 against 18.1 us), so it runs when the CTAs take at least kF8MinTiles tiles each. DSV4RT_INDEXER_F8=0
-// never takes it, =1 always (comparisons, tests).
+// 64 queries over 256K FP4 entries: score 679-683 against 758-759 us; at batch 1, 8 tiles a CTA, it loses: 256K
+// entries 32.6 against 31.9-32.0 us a call (score 18.9-19.0 against 17.9-18.1), 16K 14.8-14.9 against 13.7), so it
+// runs when the CTAs take at least kF8MinTiles tiles each. DSV4RT_INDEXER_F8=0 never takes it, =1 always
+// (comparisons, tests).
 constexpr int64_t kF8MinTiles = 32;
 
 template <int DI, bool FP4>
