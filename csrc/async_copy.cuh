@@ -31,6 +31,13 @@ __device__ __forceinline__ void cp_async_wait() {
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+// A cross-proxy fence (sm_90+): this thread's shared-memory writes through the generic proxy (plain stores) are
+// ordered before later accesses through the async proxy (wgmma operand reads, bulk copies); the writer calls it
+// before the barrier that hands the data on.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // ---- mbarriers and bulk copies (sm_90+)
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");

@@ -234,7 +234,6 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint3
 }
 
 // The wgmma kernels run on sm_90a only (the host picks them for compute capability 9.0): wgmma.cuh.
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Orders uses of an accumulator after the wait (the registers are written asynchronously).
 __device__ __forceinline__ void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
@@ -833,7 +832,7 @@ __global__ void __launch_bounds__(MmaCfg<D, MT>::kCtaThreads, 1)
       // every math warp is done with the previous tile (and has stored its Q rows)
       bar_sync(kBarMath, C::kThreads);
       convert_tile<D, MT>(smem + C::kStageOff, smem + C::kKOff, kinds + par * kNT, nope, exp_off, tid);
-      if (WG) fence_async_smem();  // the tensor cores read Q and K through the async proxy
+      if (WG) fence_proxy_async_shared();  // the tensor cores read Q and K through the async proxy
       bar_sync(kBarMath, C::kThreads);  // the K tile is complete
       if (n1 < te) bar_arrive(kBarFree, C::kThreads + C::kIssueThreads);  // the staging slots are free
       if constexpr (WG) {
@@ -1066,7 +1065,7 @@ __device__ __forceinline__ void pc_produce(const SparseAttnArgs& a, const PcCta&
       pc_store_pass<8>(kq[3], pq[3], r1, kd, kw + 12 + grp, lane);
     }
     if (half == 0) kinds[b * kNT + key] = static_cast<uint8_t>(kind);
-    fence_async_smem();  // the tensor cores read the tile through the async proxy
+    fence_proxy_async_shared();  // the tensor cores read the tile through the async proxy
     mbar_arrive(c.full(b));
   }
 }
@@ -1081,7 +1080,7 @@ __device__ __forceinline__ void pc_math(const SparseAttnArgs& a, const PcCta& c,
   const int lane = tid & 31, warp = tid >> 5;
   pdl_wait();
   stage_q<512, 4, true>(a, c.t, c.hg, smem + P::kQOff, tid);
-  fence_async_smem();
+  fence_proxy_async_shared();
   bar_sync(kBarMath, 256);  // Q complete
 
   const uint8_t* kinds = smem + P::kKindOff;
@@ -1123,7 +1122,7 @@ __device__ __forceinline__ void pc_math(const SparseAttnArgs& a, const PcCta& c,
         alpha[b * 64 + r0] = al0;
         alpha[b * 64 + r0 + 8] = al1;
       }
-      fence_async_smem();  // warpgroup 1 reads P through the async proxy
+      fence_proxy_async_shared();  // warpgroup 1 reads P through the async proxy
       mbar_arrive(c.pfull(b));
       wgmma_fence();
 #pragma unroll

@@ -269,7 +269,6 @@ __device__ __forceinline__ int k_element(int k) {
 }
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
@@ -765,7 +764,7 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
       for (int i = 0; i < C::kStages; ++i) mbar_init(bar(i), 1);
       mbar_init_fence();
     }
-    fence_proxy_async();
+    fence_proxy_async_shared();
     __syncthreads();
   };
   init_ring();
