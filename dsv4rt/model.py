@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from dsv4rt.ops import attention, compressor, indexer, mhc, moe, swa
 from dsv4rt.ops.kv_quant import QUANT_NONE, hadamard, idx_fp4_fake_quant, kv_fp8_fake_quant
-from dsv4rt.ops.rope import rope_rotate
+from dsv4rt.ops.rope import rope_rotate, rope_table
 
 from .cache import KVCache, LayerCache
 from .config import CSA, HASH_MOE, SLIDING, ModelConfig
@@ -113,15 +113,17 @@ class Attention(nn.Module):
         if layer_type != SLIDING:
             self.compressor = MainCompressor(cfg, layer_type, dtype)
 
-    def forward(self, x: Tensor, st: StepTensors, lc: LayerCache, inv_freq: Tensor) -> Tensor:
+    def forward(self, x: Tensor, st: StepTensors, lc: LayerCache, inv_freq: Tensor,
+                rot: tuple[Tensor, Tensor]) -> Tensor:
+        """rot: the step's `rope_table(st.positions, inv_freq)`."""
         cfg = self.cfg
         n_tok, eps, rd = x.shape[0], cfg.norm_eps, cfg.rope_dim
         qr = rms_norm(F.linear(x, self.q_a_proj.weight), self.q_a_norm.weight, eps)
         q = F.linear(qr, self.q_b_proj.weight).view(n_tok, cfg.num_heads, cfg.head_dim)
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + eps).to(q.dtype)
-        q = rope_rotate(q, st.positions, inv_freq)
+        q = rope_rotate(q, st.positions, inv_freq, table=rot)
         kv = rms_norm(F.linear(x, self.kv_proj.weight), self.kv_norm.weight, eps)
-        kv = rope_rotate(kv, st.positions, inv_freq)
+        kv = rope_rotate(kv, st.positions, inv_freq, table=rot)
         if lc.main_quant != QUANT_NONE:  # official numerics: the kv row is FP8 from here on
             kv = kv_fp8_fake_quant(kv, rd)
 
@@ -141,7 +143,7 @@ class Attention(nn.Module):
                     lc.idx_score_state, lc.idx_entries, lc.idx_quant, inv_freq, st.req_slot, st.positions,
                     st.start_pos, st.end_pos, st.block_table, comp.ratio, comp.overlap, eps, x.dtype)
                 qi = F.linear(qr, ix.q_b_proj.weight).view(n_tok, ix.n_heads, ix.head_dim)
-                qi = rope_rotate(qi, st.positions, inv_freq)
+                qi = rope_rotate(qi, st.positions, inv_freq, table=rot)
                 if lc.idx_quant != QUANT_NONE:  # official: Hadamard + FP4 on the indexer query too
                     qi = idx_fp4_fake_quant(hadamard(qi)).to(qi.dtype)
                 w = F.linear(x32, ix.scorer.weights_proj.weight) * (ix.n_heads**-0.5 * ix.head_dim**-0.5)
@@ -151,7 +153,7 @@ class Attention(nn.Module):
         o = attention.sparse_attn(q, kv, lc.swa, entries, entry_idx, self.sinks, st.req_slot, st.positions,
                                   st.start_pos, st.block_table, ratio, rd, cfg.head_dim**-0.5)
         swa.swa_cache_write(kv, lc.swa, st.req_slot, st.positions, st.end_pos, rd)
-        o = rope_rotate(o, st.positions, inv_freq, inverse=True)
+        o = rope_rotate(o, st.positions, inv_freq, inverse=True, table=rot)
         g = cfg.o_groups
         o = o.reshape(n_tok, g, -1)
         w_a = self.o_a_proj.weight.view(g, cfg.o_lora_rank, -1)
@@ -237,11 +239,12 @@ class Block(nn.Module):
         self.attn_hc = HyperConnection(cfg)
         self.ffn_hc = HyperConnection(cfg)
 
-    def forward(self, streams: Tensor, st: StepTensors, lc: LayerCache, inv_freq: Tensor) -> Tensor:
+    def forward(self, streams: Tensor, st: StepTensors, lc: LayerCache, inv_freq: Tensor,
+                rot: tuple[Tensor, Tensor]) -> Tensor:
         cfg = self.cfg
         hc = self.attn_hc
         x, post, comb = mhc.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_iters, cfg.hc_eps, cfg.norm_eps)
-        y = self.self_attn(rms_norm(x, self.input_layernorm.weight, cfg.norm_eps), st, lc, inv_freq)
+        y = self.self_attn(rms_norm(x, self.input_layernorm.weight, cfg.norm_eps), st, lc, inv_freq, rot)
         streams = mhc.hc_post(streams, y, post, comb)
         hc = self.ffn_hc
         x, post, comb = mhc.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_iters, cfg.hc_eps, cfg.norm_eps)
@@ -279,9 +282,13 @@ class Model(nn.Module):
         cfg = self.cfg
         x = F.embedding(st.token_ids, self.embed_tokens.weight)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        tables: dict[bool, tuple[Tensor, Tensor]] = {}  # the step's RoPE tables (main, compress): one each
         for layer, lc in zip(self.layers, cache.layers):
-            inv_freq = self.inv_freq_main if layer.layer_type == SLIDING else self.inv_freq_compress
-            streams = layer(streams, st, lc, inv_freq)
+            sliding = layer.layer_type == SLIDING
+            inv_freq = self.inv_freq_main if sliding else self.inv_freq_compress
+            if sliding not in tables:
+                tables[sliding] = rope_table(st.positions, inv_freq)
+            streams = layer(streams, st, lc, inv_freq, tables[sliding])
         h = self.hc_head
         x = mhc.hc_head(streams, h.hc_fn, h.hc_base, h.hc_scale, cfg.hc_eps, cfg.norm_eps)
         x = rms_norm(x, self.norm.weight, cfg.norm_eps)
