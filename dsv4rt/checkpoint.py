@@ -468,10 +468,9 @@ def load(cls, path: str | os.PathLike, layers=None, dtype: torch.dtype = torch.b
     """Build `cls` (dsv4rt.Model) from a checkpoint folder; see `Model.from_pretrained`."""
     from safetensors import safe_open
 
-    from .weights import _build, _refresh_buffers
+    from .weights import _build, _refresh_buffers, check_dtype, check_loaded
 
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    check_dtype(dtype)
     t0 = time.perf_counter()
     ckpt = scan(path)
     full = checkpoint_config(ckpt)
@@ -518,6 +517,7 @@ def load(cls, path: str | os.PathLike, layers=None, dtype: torch.dtype = torch.b
                         value = dequant.dequant_fp4(value, scale, dst.dtype)
                 dst.copy_(value)
         _refresh_buffers(model)
+    check_loaded(model)
     if progress:
         print(f"loaded {len(sources)} tensors ({cfg.num_layers} of {full.num_layers} blocks) in "
               f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)

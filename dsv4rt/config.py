@@ -70,8 +70,27 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "rope_dim", "q_lora_rank",
                      "o_groups", "o_lora_rank", "sliding_window", "csa_ratio", "hca_ratio", "index_heads",
                      "index_head_dim", "index_topk", "n_experts", "n_active", "moe_inter", "hc_mult", "hc_iters"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive int, got {getattr(self, name)!r}")
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {v!r}")
+        for name in ("routed_scale", "swiglu_limit", "rope_theta", "compress_rope_theta", "hc_eps", "norm_eps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive finite number, got {v!r}")
+        for name in ("bos_token_id", "eos_token_id"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < self.vocab_size:
+                raise ValueError(f"ModelConfig.{name} must be a token id in [0, vocab_size={self.vocab_size}), got {v!r}")
+        if not isinstance(self.max_position, int) or isinstance(self.max_position, bool) or self.max_position <= 0:
+            raise ValueError(f"ModelConfig.max_position must be a positive int, got {self.max_position!r}")
+        y = self.yarn
+        if y is not None:
+            if not isinstance(y, Yarn):
+                raise ValueError(f"ModelConfig.yarn must be a Yarn or None, got {type(y).__name__}")
+            if not (math.isfinite(y.factor) and y.factor > 0 and isinstance(y.original_max_position, int)
+                    and y.original_max_position > 0 and math.isfinite(y.beta_fast) and math.isfinite(y.beta_slow)):
+                raise ValueError(f"ModelConfig.yarn: factor and original_max_position must be positive, the betas "
+                                 f"finite, got {y}")
         if self.rope_dim > self.head_dim or self.rope_dim % 2:
             raise ValueError(f"ModelConfig.rope_dim ({self.rope_dim}) must be even and <= head_dim ({self.head_dim})")
         if self.rope_dim > self.index_head_dim:
@@ -143,7 +162,8 @@ class ModelConfig:
     # ------------------------------------------------------------------ HF / official configs
     @classmethod
     def from_hf(cls, x: Any) -> "ModelConfig":
-        """From a transformers DeepseekV4Config, a dict, or the path of an HF or official config.json."""
+        """From a transformers DeepseekV4Config, a dict (HF or official keys, or `ModelConfig.to_dict()`'s), or the
+        path of an HF or official config.json."""
         if isinstance(x, (str, os.PathLike)):
             path = os.fspath(x)
             if os.path.isdir(path):
@@ -152,9 +172,20 @@ class ModelConfig:
                 d = json.load(f)
         elif isinstance(x, dict):
             d = dict(x)
-        else:
+        elif hasattr(x, "to_dict") or hasattr(x, "__dict__"):
             d = x.to_dict() if hasattr(x, "to_dict") else dict(vars(x))
-        return _from_dict(d)
+        else:
+            raise TypeError(f"ModelConfig.from_hf takes a config object, a dict or a path, got {type(x).__name__}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if "num_layers" in d and set(d) <= fields:  # ModelConfig.to_dict()
+            if isinstance(d.get("yarn"), dict):
+                d["yarn"] = Yarn(**d["yarn"])
+            return cls(**d)
+        try:
+            return _from_dict(d)
+        except (KeyError, TypeError) as e:
+            what = f"field {e.args[0]!r} is missing" if isinstance(e, KeyError) else f"a field is missing or invalid ({e})"
+            raise ValueError(f"ModelConfig.from_hf: {what}") from None
 
     # ------------------------------------------------------------------ derived
     @property
@@ -199,7 +230,16 @@ def _with_overrides(cfg: ModelConfig, overrides: dict) -> ModelConfig:
     return dataclasses.replace(cfg, **overrides)
 
 
+_REQUIRED = (("vocab_size",), ("hidden_size", "dim"), ("num_hidden_layers", "n_layers"),
+             ("num_attention_heads", "n_heads"), ("q_lora_rank",), ("o_groups",), ("o_lora_rank",),
+             ("n_routed_experts",), ("num_experts_per_tok", "n_activated_experts"),
+             ("moe_intermediate_size", "moe_inter_dim"))
+
+
 def _from_dict(d: dict) -> ModelConfig:
+    missing = [" or ".join(repr(k) for k in keys) for keys in _REQUIRED if all(d.get(k) is None for k in keys)]
+    if missing:
+        raise ValueError(f"ModelConfig.from_hf: missing field(s) {', '.join(missing)}")
     official = "dim" in d and "n_layers" in d
     g = (lambda hf, off, default=None: d.get(off, d.get(hf, default))) if official else (
         lambda hf, off, default=None: d.get(hf, d.get(off, default)))
@@ -259,7 +299,8 @@ def _from_dict(d: dict) -> ModelConfig:
         swiglu_limit=float(d.get("swiglu_limit", 10.0)), rope_theta=rope_theta, compress_rope_theta=compress_theta,
         yarn=yarn, hc_mult=int(d.get("hc_mult", 4)), hc_iters=int(d.get("hc_sinkhorn_iters", 20)),
         hc_eps=float(d.get("hc_eps", 1e-6)), norm_eps=float(g("rms_norm_eps", "norm_eps", 1e-6)),
-        bos_token_id=int(d.get("bos_token_id") or 0), eos_token_id=int(eos[0] if isinstance(eos, list) else (eos or 1)),
+        bos_token_id=int(d.get("bos_token_id") or 0),
+        eos_token_id=int(eos[0] if isinstance(eos, list) else (1 if eos is None else eos)),
         max_position=int(d.get("max_position_embeddings", 1048576)),
     )
 

@@ -1,6 +1,7 @@
 """The serving loop's public face: admit / step / release / generate over a fixed set of request slots."""
 from __future__ import annotations
 
+import math
 import operator
 import os
 import sys
@@ -82,10 +83,12 @@ class Runtime:
                  compile: bool = False, max_tokens_per_step: int | None = None, num_blocks: int | None = None,
                  graphs: Optional[bool] = None, backend: Optional[str | Callable] = None, kernels: Optional[str] = None,
                  log: Optional[Callable[[str], None]] = None) -> None:
-        if max_requests < 1:
-            raise ValueError(f"max_requests must be >= 1, got {max_requests}")
-        if max_context < 1:
-            raise ValueError(f"max_context must be >= 1, got {max_context}")
+        max_requests = _int_arg("max_requests", max_requests, 1)
+        max_context = _int_arg("max_context", max_context, 1)
+        if max_tokens_per_step is not None:
+            max_tokens_per_step = _int_arg("max_tokens_per_step", max_tokens_per_step, 1)
+        if num_blocks is not None:
+            num_blocks = _int_arg("num_blocks", num_blocks, 0)
         if max_context > model.cfg.max_position:
             raise ValueError(f"max_context {max_context} exceeds the model's max_position {model.cfg.max_position}")
         self.model, self.cfg = model, model.cfg
@@ -173,7 +176,12 @@ class Runtime:
         return list(self._requests)
 
     def _get(self, handle: int) -> _Request:
-        req = None if isinstance(handle, bool) or not isinstance(handle, int) else self._requests.get(handle)
+        req = None
+        if not isinstance(handle, bool):
+            try:
+                req = self._requests.get(operator.index(handle))  # any integer type (numpy's too)
+            except TypeError:
+                pass
         if req is None:
             raise UnknownRequest(f"unknown request handle {handle!r} (never admitted or already released)")
         return req
@@ -182,10 +190,14 @@ class Runtime:
     def _validate(self, batch: Mapping[int, Sequence[int]]) -> list[Segment]:
         if not isinstance(batch, Mapping) or not batch:
             raise RequestError("step() takes a non-empty dict {handle: [token ids]}")
-        segments, need_blocks = [], 0
+        segments, need_blocks, seen = [], 0, set()
         for handle, tokens in batch.items():
             req = self._get(handle)
-            toks = _token_list(handle, tokens)
+            handle = operator.index(handle)  # an int from here on (the handle may come as another integer type)
+            if handle in seen:
+                raise RequestError(f"request {handle} appears twice in the step")
+            seen.add(handle)
+            toks = _token_list(f"request {handle}", tokens)
             if not toks:
                 raise RequestError(f"request {handle}: no new tokens")
             bad = [t for t in toks if not 0 <= t < self.cfg.vocab_size]
@@ -268,6 +280,10 @@ class Runtime:
         """Admit a request whose caches hold random valid content for `context` processed tokens (sliding
         ring, compressed entries, indexer keys, compressor state), so long-context steps can be timed
         without running the prefill. Its outputs are meaningless; its cost per step is real."""
+        try:
+            context = _int_arg("context", context, 0)
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"synthetic {e}") from None
         if not 0 <= context < self.max_context:
             raise RequestError(f"synthetic context {context} must be in [0, max_context={self.max_context})")
         need = self.cache.blocks_needed(context)
@@ -310,16 +326,38 @@ class Runtime:
     def generate(self, prompts: Iterable[Sequence[int]], max_new_tokens: int = 16, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = False
                  ) -> list[list[int]]:
-        """Generate for each prompt (greedy when temperature == 0). Returns the new tokens of each prompt."""
-        prompts = [list(p) for p in prompts]
-        if max_new_tokens < 0:
-            raise RequestError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-            raise RequestError("sampling needs temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        """Generate for each prompt (greedy when temperature == 0). Returns the new tokens of each prompt.
+
+        Everything is checked before the first step (prompts, lengths against max_context, sampling arguments); the
+        prompts run in groups as large as the free request slots, each group's slots released at the end."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
+            raise RequestError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+        prompts = [_token_list(f"prompt {i}", p) for i, p in enumerate(prompts)]
+        try:
+            max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 0)
+            top_k = _int_arg("top_k", top_k, 0)
+        except (TypeError, ValueError) as e:
+            raise RequestError(str(e)) from None
+        if not _finite(temperature) or temperature < 0 or not _finite(top_p) or not 0 < top_p <= 1:
+            raise RequestError(f"sampling needs a finite temperature >= 0 and 0 < top_p <= 1, got temperature="
+                               f"{temperature!r}, top_p={top_p!r}")
+        if max_new_tokens > 0:
+            for i, p in enumerate(prompts):
+                if not p:
+                    raise RequestError(f"prompt {i} is empty")
+                bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
+                if bad:
+                    raise RequestError(f"prompt {i}: token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
+                if len(p) + max_new_tokens - 1 > self.max_context:
+                    raise RequestError(f"prompt {i}: {len(p)} tokens + {max_new_tokens} new exceed max_context="
+                                       f"{self.max_context} (at most {self.max_context - len(p) + 1} new tokens)")
+            if prompts and not self._free_slots:
+                raise CapacityError(f"generate needs a free request slot: all {self.max_requests} are in use")
         gen = torch.Generator().manual_seed(seed if seed is not None else 0)
         outs: list[list[int]] = [[] for _ in prompts]
-        for i0 in range(0, len(prompts), self.max_requests):
-            group = list(range(i0, min(i0 + self.max_requests, len(prompts))))
+        width = max(len(self._free_slots), 1)
+        for i0 in range(0, len(prompts), width):
+            group = list(range(i0, min(i0 + width, len(prompts))))
             handles = []
             try:
                 for _ in group:
@@ -361,29 +399,48 @@ def _load_kernels(mode: str, on_gpu: bool, log: Callable[[str], None]) -> dict[s
     return coverage
 
 
-def _token_list(handle: int, tokens) -> list[int]:
+def _int_arg(name: str, value, minimum: int) -> int:
+    """An integer argument (any integer type, not bool) of at least `minimum`, else a TypeError or ValueError that
+    names it."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return v
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _token_list(who: str, tokens) -> list[int]:
     """Token ids as a list of ints; strings, floats and bools are refused rather than converted."""
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-            raise RequestError(f"request {handle}: token ids must be a 1-D integer tensor or a sequence of ints")
+            raise RequestError(f"{who}: token ids must be a 1-D integer tensor or a sequence of ints")
         return tokens.tolist()
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
-        raise RequestError(f"request {handle}: token ids must be a sequence of ints, got {type(tokens).__name__}")
+        raise RequestError(f"{who}: token ids must be a sequence of ints, got {type(tokens).__name__}")
     out = []
     for t in tokens:
         if isinstance(t, bool):
-            raise RequestError(f"request {handle}: token id {t!r} is not an int")
+            raise RequestError(f"{who}: token id {t!r} is not an int")
         try:
             out.append(operator.index(t))
         except TypeError:
-            raise RequestError(f"request {handle}: token id {t!r} is not an int") from None
+            raise RequestError(f"{who}: token id {t!r} is not an int") from None
     return out
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
     if temperature == 0:
         return int(logits.argmax())
-    z = logits.float() / temperature
+    z = logits.float()
+    z = (z - z.max()) / temperature  # the largest at 0: no overflow to inf (and NaN) for small temperatures
     if top_k > 0:
         kth = torch.topk(z, min(top_k, z.numel())).values[-1]
         z = torch.where(z < kth, float("-inf"), z)

@@ -17,7 +17,13 @@ def hf_to_local(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
+def check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+
+
 def _build(cls, cfg: ModelConfig, dtype: torch.dtype, device) -> "torch.nn.Module":
+    check_dtype(dtype)
     with torch.device("meta"):
         model = cls(cfg, dtype)
     return model.to_empty(device=device).requires_grad_(False)
@@ -29,9 +35,17 @@ def _refresh_buffers(model) -> None:
     model.inv_freq_compress.copy_(cfg.inv_freq("csa"))
 
 
+def check_loaded(model) -> None:
+    """Refuse loaded values the step would fail on halfway (after it has written other requests' caches): a hash
+    layer's expert table (`tid2eid`) must name experts in [0, n_experts)."""
+    n = model.cfg.n_experts
+    for name, buf in model.named_buffers():
+        if name.endswith("tid2eid") and buf.numel() and (int(buf.min()) < 0 or int(buf.max()) >= n):
+            bad = buf[(buf < 0) | (buf >= n)][0].item()
+            raise ValueError(f"{name}: expert id {bad} outside [0, n_experts={n})")
+
+
 def load_hf_state_dict(cls, cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device) -> "torch.nn.Module":
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     model = _build(cls, cfg, dtype, device)
     expected = model.state_dict()
     given = {hf_to_local(k): v for k, v in state_dict.items() if not _IGNORED.search(k)}
@@ -55,6 +69,7 @@ def load_hf_state_dict(cls, cfg: ModelConfig, state_dict: dict, dtype: torch.dty
                 raise ValueError(f"state dict tensor {k} has dtype {src.dtype}, expected a {dst.dtype}-compatible dtype")
             dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
         _refresh_buffers(model)
+    check_loaded(model)
     return model.eval()
 
 

@@ -31,6 +31,26 @@ def test_preset_values(preset, values, schedule):
     assert cfg.yarn == dsv4rt.config.Yarn(16.0, 65536, 32.0, 1.0)
 
 
+def test_from_hf_round_trips_to_dict_and_names_what_is_missing():
+    tiny = dsv4rt.ModelConfig.tiny()
+    assert dsv4rt.ModelConfig.from_hf(tiny.to_dict()) == tiny
+    assert dsv4rt.ModelConfig.from_hf(dsv4rt.ModelConfig.flash().to_dict()) == dsv4rt.ModelConfig.flash()
+    with pytest.raises(ValueError, match="missing field.*'vocab_size'.*'moe_intermediate_size' or 'moe_inter_dim'"):
+        dsv4rt.ModelConfig.from_hf({})
+    for x in (None, 42):
+        with pytest.raises(TypeError, match="config object, a dict or a path"):
+            dsv4rt.ModelConfig.from_hf(x)
+
+
+def test_from_hf_keeps_an_eos_id_of_zero():
+    from dsv4rt.hf import hf_config_for
+
+    d = hf_config_for(dsv4rt.ModelConfig.tiny()).to_dict()
+    d["eos_token_id"], d["bos_token_id"] = 0, 2
+    cfg = dsv4rt.ModelConfig.from_hf(d)
+    assert (cfg.eos_token_id, cfg.bos_token_id) == (0, 2)
+
+
 def test_from_hf_config_object_and_official_dict():
     from dsv4rt.hf import hf_config_for
 

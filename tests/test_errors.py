@@ -76,7 +76,31 @@ def test_state_dict_errors(model):
     assert dsv4rt.Model.from_hf_state_dict(CFG, ok) is not None
 
 
+def test_hash_table_outside_the_experts_is_refused_at_load(model):
+    """A hash layer's tid2eid naming an expert outside [0, n_experts) is refused by the loader, naming the tensor:
+    a step would otherwise fail halfway, after writing other requests' caches."""
+    sd = {("model." + k if k != "lm_head.weight" else k): v.clone() for k, v in model.state_dict().items()}
+    name = next(k for k in sd if k.endswith("tid2eid"))
+    for bad in (CFG.n_experts, -1):
+        sd[name][5, 0] = bad
+        with pytest.raises(ValueError, match=rf"tid2eid: expert id {bad} outside \[0, n_experts={CFG.n_experts}\)"):
+            dsv4rt.Model.from_hf_state_dict(CFG, sd)
+    sd[name][5, 0] = CFG.n_experts - 1
+    assert dsv4rt.Model.from_hf_state_dict(CFG, sd) is not None
+
+
 @pytest.mark.parametrize("field,value,fragment", [
+    ("norm_eps", -1.0, "norm_eps"),
+    ("rope_theta", 0.0, "rope_theta"),
+    ("routed_scale", float("nan"), "routed_scale"),
+    ("swiglu_limit", -1.0, "swiglu_limit"),
+    ("hc_eps", 0.0, "hc_eps"),
+    ("eos_token_id", 10**6, "eos_token_id"),
+    ("bos_token_id", -3, "bos_token_id"),
+    ("max_position", 0, "max_position"),
+    ("vocab_size", True, "vocab_size"),
+    ("yarn", dsv4rt.config.Yarn(factor=0.0), "yarn"),
+    ("yarn", {"factor": 2.0}, "yarn"),
     ("rope_dim", 256, "rope_dim"),
     ("o_groups", 3, "o_groups"),
     ("layer_types", ("sliding", "csa", "hca", "csa", "bogus"), "layer_types"),
@@ -95,6 +119,16 @@ def test_runtime_argument_errors(model):
         dsv4rt.Runtime(model, kv_dtype="int4")
     with pytest.raises(ValueError, match="max_requests"):
         dsv4rt.Runtime(model, max_requests=0)
+    with pytest.raises(ValueError, match="num_blocks must be >= 0, got -1"):
+        dsv4rt.Runtime(model, num_blocks=-1)
+    with pytest.raises(ValueError, match="max_tokens_per_step must be >= 1, got 0"):
+        dsv4rt.Runtime(model, max_tokens_per_step=0)
+    for kw, name in ((dict(max_context=100.0), "max_context"), (dict(max_requests=2.5), "max_requests"),
+                     (dict(num_blocks=2.5), "num_blocks"), (dict(max_tokens_per_step=3.5), "max_tokens_per_step")):
+        with pytest.raises(TypeError, match=f"{name} must be an int"):
+            dsv4rt.Runtime(model, **kw)
+    with pytest.raises(ValueError, match="dtype must be float32, bfloat16 or float16"):
+        dsv4rt.Model.random(CFG, dtype=torch.int64)
     with pytest.raises(ValueError, match="fp8 KV layout"):
         dsv4rt.Runtime(dsv4rt.Model.random(CFG.replace(head_dim=96, rope_dim=64)), kv_dtype="fp8")
 
@@ -114,3 +148,58 @@ def test_native_kernels_mode_names_the_step_ops_without_a_kernel(monkeypatch):
     assert "kv_fp8_quantize" not in str(err.value)
     coverage["hc_pre"] = "native"
     assert _load_kernels("native", True, print)["kv_fp8_quantize"] == "reference"
+
+
+def test_generate_checks_everything_before_the_first_step(model):
+    """generate() refuses what would fail later (prompt plus new tokens past max_context, bad prompts and sampling
+    arguments) before any step, with the prompt's index, and leaves the runtime's requests as they were."""
+    rt = dsv4rt.Runtime(model, max_requests=2, max_context=64)
+    other = rt.admit()
+    rt.step({other: tokens(5, 1)})
+    bad = [
+        (dict(prompts=[[1, 2], [1] * 60], max_new_tokens=10), "prompt 1: 60 tokens \\+ 10 new exceed max_context=64"),
+        (dict(prompts=[1, 2, 3]), "prompt 0: token ids must be a sequence of ints"),
+        (dict(prompts=[[1], []]), "prompt 1 is empty"),
+        (dict(prompts=[[1, CFG.vocab_size]]), "prompt 0: token id 512 outside the vocabulary"),
+        (dict(prompts=[[1]], temperature=float("nan")), "finite temperature"),
+        (dict(prompts=[[1]], top_p=1.5), "top_p"),
+        (dict(prompts=[[1]], max_new_tokens=2.0), "max_new_tokens must be an int"),
+        (dict(prompts=[[1]], top_k=2.5), "top_k must be an int"),
+    ]
+    for kw, fragment in bad:
+        with pytest.raises(RequestError, match=fragment):
+            rt.generate(**kw)
+        assert rt.live == [other] and rt.position(other) == 5
+    # at the limit it runs: 60 prompt tokens + 5 new feed 64 positions
+    assert len(rt.generate([[1] * 60], max_new_tokens=5)[0]) == 5
+    # a tiny temperature samples (the largest logit at 0 before dividing: no inf - inf)
+    assert len(rt.generate([[1, 2]], max_new_tokens=3, temperature=1e-40, seed=1)[0]) == 3
+    assert rt.live == [other]
+
+
+def test_generate_uses_the_free_slots(model):
+    """With some slots held by the caller, generate() runs its prompts in groups of the free slots; with none free
+    it says so."""
+    rt = dsv4rt.Runtime(model, max_requests=2, max_context=64)
+    held = rt.admit()
+    want = dsv4rt.Runtime(model, max_requests=2, max_context=64).generate([[1, 2], [3]], max_new_tokens=3)
+    assert rt.generate([[1, 2], [3]], max_new_tokens=3) == want
+    rt.admit()
+    with pytest.raises(CapacityError, match="free request slot"):
+        rt.generate([[1]], max_new_tokens=1)
+    assert len(rt.live) == 2 and held in rt.live
+
+
+def test_handles_and_contexts_take_integer_types(model):
+    rt = dsv4rt.Runtime(model, max_requests=2, max_context=64)
+    h = rt.admit()
+    out = rt.step({torch.tensor(h): [1, 2]})  # any integer type names the handle
+    assert list(out) == [h] and type(list(out)[0]) is int
+    with pytest.raises(RequestError, match=f"request {h} appears twice"):
+        rt.step({h: [3], torch.tensor(h): [4]})
+    assert rt.position(h) == 2
+    with pytest.raises(RequestError, match="context must be an int"):
+        rt.admit_synthetic(5.5)
+    with pytest.raises(RequestError, match="context must be an int"):
+        rt.admit_synthetic(True)
+    assert rt.live == [h]
