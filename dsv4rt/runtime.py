@@ -51,6 +51,7 @@ class _Request:
     slot: int
     pos: int = 0
     blocks: list[int] = field(default_factory=list)
+    broken: Optional[str] = None  # why its caches may be incomplete (a forward call of it failed): refused from then on
 
 
 class Runtime:
@@ -140,6 +141,7 @@ class Runtime:
         else:
             self._fn = self._step
         self._requests: dict[int, _Request] = {}
+        self._landed = False
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._next_handle = 0
 
@@ -194,6 +196,8 @@ class Runtime:
         for handle, tokens in batch.items():
             req = self._get(handle)
             handle = operator.index(handle)  # an int from here on (the handle may come as another integer type)
+            if req.broken is not None:
+                raise RequestError(f"request {handle}: {req.broken}; release it")
             if handle in seen:
                 raise RequestError(f"request {handle} appears twice in the step")
             seen.add(handle)
@@ -244,6 +248,7 @@ class Runtime:
             self.inputs.req_slot.fill_(PAD_SLOT)
             self.runner.capture([key])
         self.inputs.copy_from(stage)
+        self._landed = True  # from here on the call may write its requests' caches
         if self.device.type == "cuda":
             event = self._stage_events[self._stage_i] or torch.cuda.Event()
             event.record()
@@ -262,8 +267,20 @@ class Runtime:
         self._allocate(segments)
         pieces: dict[int, list[torch.Tensor]] = {s.handle: [] for s in segments}
         for call in split_segments(segments, self.max_tokens):
-            logits, owners = self._launch(call, all_logits)
-            logits = logits.cpu()  # the step's only host-device synchronisation
+            self._landed = False
+            try:
+                logits, owners = self._launch(call, all_logits)
+                logits = logits.cpu()  # the step's only host-device synchronisation
+            except BaseException as e:
+                # once its inputs have landed the call may have written part of its requests' caches (no rollback):
+                # refuse those requests from now on rather than let them continue on incomplete state; other
+                # requests' caches are untouched (a failure before that, such as a capture on first use, wrote none)
+                if not self._landed:
+                    raise
+                for seg in call:
+                    self._requests[seg.handle].broken = (f"a forward call failed ({type(e).__name__}) after it may "
+                                                         f"have written part of this request's caches")
+                raise
             r = 0
             for handle, k in owners:
                 pieces[handle].append(logits[r:r + k])

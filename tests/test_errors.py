@@ -203,3 +203,31 @@ def test_handles_and_contexts_take_integer_types(model):
     with pytest.raises(RequestError, match="context must be an int"):
         rt.admit_synthetic(True)
     assert rt.live == [h]
+
+
+def test_a_failed_forward_call_refuses_its_requests_and_spares_the_others(model):
+    """An exception inside the forward (after validation) leaves its requests' caches possibly half written: those
+    requests are refused from then on with a message that says so, while the others continue bit for bit and the
+    broken one's slot can be released and reused."""
+    kw = dict(max_requests=3, max_context=64)
+    other_prefix, other_tail = tokens(20, 1), tokens(6, 2)
+    rt = dsv4rt.Runtime(model, **kw)
+    other, victim = rt.admit(), rt.admit()
+    rt.step({other: other_prefix, victim: tokens(3, 3)})
+    fn = rt._fn
+
+    def failing(*args):
+        raise RuntimeError("simulated device fault")
+
+    rt._fn = failing
+    with pytest.raises(RuntimeError, match="simulated device fault"):
+        rt.step({victim: [5]})
+    rt._fn = fn
+    with pytest.raises(RequestError, match="forward call failed.*release it"):
+        rt.step({other: [3], victim: [5]})
+    assert rt.position(victim) == 3
+    got = continue_other(rt, other, other_tail)
+    torch.testing.assert_close(got, clean_run(model, other_prefix, other_tail, **kw), rtol=0, atol=0)
+    rt.release(victim)
+    fresh = rt.admit()
+    assert rt.step({fresh: [1, 2]})[fresh].shape == (1, CFG.vocab_size)
