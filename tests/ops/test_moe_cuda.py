@@ -20,7 +20,9 @@ thousands of rows on a few experts, a few rows on many); with and without the sh
 around its thresholds (tiny: T <= 8 and T * k <= 64; grouped: more than 3072 rows, the shared expert's T rows counted),
 float16 and float32, ids outside [0, E) (no weight, as in the reference), determinism with and without programmatic
 launches and the tiny path's L2 prefetch, CUDA-graph capture and replay.
-Tests taking the `small_path` fixture run twice: default paths, then batches of up to 8 tokens on the tiny path.
+Tests taking the `small_path` fixture run on the default paths, then (batches of up to 8 tokens) on the tiny path,
+then (one-token calls) through the plan kernel; pairs that would repeat the default run are not collected
+(`same_as_default`, tests/ops/conftest.py).
 """
 from __future__ import annotations
 
@@ -61,11 +63,20 @@ def small_path(request, monkeypatch):
     return request.param
 
 
-def skip_if_same(path: str, n_tokens: int) -> None:
+def same_as_default(path: str, n_tokens: int) -> str | None:
+    """Why a (small_path, n_tokens) pair would repeat the default run, or None. tests/ops/conftest.py leaves such
+    pairs out at collection (they would skip on every machine)."""
     if path == "tiny" and n_tokens > TINY_TOKENS:
-        pytest.skip("the tiny path serves at most 8 tokens: the same run as the default")
+        return "the tiny path serves at most 8 tokens: the same run as the default"
     if path == "plan" and n_tokens != 1:
-        pytest.skip("only one-token calls skip the plan kernel: the same run as the default")
+        return "only one-token calls skip the plan kernel: the same run as the default"
+    return None
+
+
+def skip_if_same(path: str, n_tokens: int) -> None:
+    why = same_as_default(path, n_tokens)
+    if why is not None:
+        pytest.skip(why)
 
 
 def poison_allocator(nbytes: int) -> None:
