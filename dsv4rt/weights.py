@@ -40,9 +40,11 @@ def check_loaded(model) -> None:
     layer's expert table (`tid2eid`) must name experts in [0, n_experts)."""
     n = model.cfg.n_experts
     for name, buf in model.named_buffers():
-        if name.endswith("tid2eid") and buf.numel() and (int(buf.min()) < 0 or int(buf.max()) >= n):
-            bad = buf[(buf < 0) | (buf >= n)][0].item()
-            raise ValueError(f"{name}: expert id {bad} outside [0, n_experts={n})")
+        if not name.endswith("tid2eid"):
+            continue
+        bad = buf[(buf < 0) | (buf >= n)]
+        if bad.numel():
+            raise ValueError(f"{name}: expert id {bad[0].item()} outside [0, n_experts={n})")
 
 
 def load_hf_state_dict(cls, cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device) -> "torch.nn.Module":
