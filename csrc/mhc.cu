@@ -60,7 +60,12 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
 
 // acc[m] += fn[m, 4g..4g+3] . f[4g..4g+3] for m < m_rows, acc[CAP] += |f[4g..4g+3]|^2, over float4 groups
-// g = g0, g0 + step, ... < g1.
+// g = g0, g0 + step, ... < g1. The loads of a group's rows carry no condition (rows past m_rows read row m_rows - 1
+// again, into sums nobody reads), so up to kMixChunk of them are in flight together. Under a runtime `m < m_rows`
+// test each load waited for the memory before the next was issued (H200, Flash dims, one token: hc_pre 22.6 ->
+// 17.8 us a call, graph-replayed).
+constexpr int kMixChunk = 24;
+
 template <int CAP, typename T>
 __device__ __forceinline__ void mix_accumulate(float (&acc)[CAP + 1], const float* __restrict__ fn,
                                                const T* __restrict__ f, int64_t k_dim, int m_rows, int64_t g0,
@@ -68,11 +73,22 @@ __device__ __forceinline__ void mix_accumulate(float (&acc)[CAP + 1], const floa
   for (int64_t g = g0; g < g1; g += step) {
     const float4 xv = load4(f + 4 * g);
     acc[CAP] += xv.x * xv.x + xv.y * xv.y + xv.z * xv.z + xv.w * xv.w;
+    if constexpr (CAP <= kMixChunk) {  // n <= 4 (hc_pre) / n <= 24 (hc_head)
+      float4 w[CAP];
 #pragma unroll
-    for (int m = 0; m < CAP; ++m) {
-      if (m < m_rows) {
-        const float4 w = __ldg(reinterpret_cast<const float4*>(fn + m * k_dim + 4 * g));
-        acc[m] += w.x * xv.x + w.y * xv.y + w.z * xv.z + w.w * xv.w;
+      for (int m = 0; m < CAP; ++m) {
+        const int r = m < m_rows ? m : m_rows - 1;
+        w[m] = __ldg(reinterpret_cast<const float4*>(fn + r * k_dim + 4 * g));
+      }
+#pragma unroll
+      for (int m = 0; m < CAP; ++m) acc[m] += w[m].x * xv.x + w[m].y * xv.y + w[m].z * xv.z + w[m].w * xv.w;
+    } else {  // more rows than registers for both the sums and the rows in flight: a row at a time
+#pragma unroll
+      for (int m = 0; m < CAP; ++m) {
+        if (m < m_rows) {
+          const float4 w = __ldg(reinterpret_cast<const float4*>(fn + m * k_dim + 4 * g));
+          acc[m] += w.x * xv.x + w.y * xv.y + w.z * xv.z + w.w * xv.w;
+        }
       }
     }
   }
@@ -104,51 +120,20 @@ __global__ void __launch_bounds__(kThreads) hc_mix_partial_kernel(HcMixArgs a, i
   }
 }
 
-template <int CAP, typename T>
-__global__ void __launch_bounds__(kThreads) hc_mix_finish_kernel(HcMixArgs a, int m_rows, int n_splits) {
-  __shared__ float s_mix[CAP + 1];
-  __shared__ float s_red[kWarps][CAP + 1];
-  __shared__ float s_pre[kMaxN];
-  __shared__ float s_c[kMaxN * kMaxN];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t t = blockIdx.x;
-  const int n = a.n, d = a.d;
+// The rest of hc_pre / hc_head once s_mix holds the token's M dot products and (at index m_rows) its sum of squares:
+// pre = sigmoid(mix * rms * scale[0] + base) + eps; then, after a barrier, warp 0 computes post and the Sinkhorn
+// matrix (when `sinkhorn`: hc_pre) while the other threads collapse the float4 groups [c0, c1) of
+// x = sum_j pre[j] x[t, j] into the output row. Every thread of the CTA calls it.
+template <typename T>
+__device__ __forceinline__ void mix_finish(const HcMixArgs& a, int64_t t, const float* s_mix, float* s_pre,
+                                           float* s_c, int m_rows, bool sinkhorn, int64_t c0, int64_t c1) {
+  const int lane = threadIdx.x % 32, n = a.n, d = a.d;
   const int64_t k_dim = static_cast<int64_t>(n) * d;
-  T* out_row = static_cast<T*>(a.out) + t * d;
-  const T* x_row = static_cast<const T*>(a.x) + t * k_dim;
-
-  if (n_splits > 0) {
-    const float* part = reinterpret_cast<const float*>(out_row);
-    for (int i = warp; i <= m_rows; i += kWarps) {
-      float v = 0.0f;
-      for (int s = lane; s < n_splits; s += 32) v += part[s * (m_rows + 1) + i];
-      v = warp_sum(v);
-      if (lane == 0) s_mix[i] = v;
-    }
-  } else {
-    float acc[CAP + 1] = {};
-    mix_accumulate<CAP>(acc, a.fn, x_row, k_dim, m_rows, threadIdx.x, k_dim / 4, kThreads);
-#pragma unroll
-    for (int m = 0; m <= CAP; ++m) {
-      if (m < m_rows || m == CAP) {
-        const float v = warp_sum(acc[m]);
-        if (lane == 0) s_red[warp][m == CAP ? m_rows : m] = v;
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x <= m_rows) {
-      float v = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) v += s_red[w][threadIdx.x];
-      s_mix[threadIdx.x] = v;
-    }
-  }
-  __syncthreads();  // the partials in out_row are all read: the row may be overwritten after the next barrier
   const float rms = 1.0f / sqrtf(s_mix[m_rows] / static_cast<float>(k_dim) + a.norm_eps);
   if (threadIdx.x < n) s_pre[threadIdx.x] = sigmoidf(s_mix[threadIdx.x] * rms * a.scale[0] + a.base[threadIdx.x]) + a.eps;
   __syncthreads();
 
-  if (!a.head && warp == 0) {
+  if (sinkhorn && threadIdx.x < 32) {
     if (lane < n) a.post[t * n + lane] = 2.0f * sigmoidf(s_mix[n + lane] * rms * a.scale[1] + a.base[n + lane]);
     const int nn = n * n;
     const float s2 = a.scale[2];
@@ -170,7 +155,10 @@ __global__ void __launch_bounds__(kThreads) hc_mix_finish_kernel(HcMixArgs a, in
       if (idx < nn) {
         const int j = idx / n;
         float m = s_c[j * n];
-        for (int k = 1; k < n; ++k) m = fmaxf(m, s_c[j * n + k]);
+#pragma unroll
+        for (int k = 1; k < kMaxN; ++k) {
+          if (k < n) m = fmaxf(m, s_c[j * n + k]);
+        }
         mx[r] = expf(c[r] - m);
       }
     }
@@ -187,11 +175,15 @@ __global__ void __launch_bounds__(kThreads) hc_mix_finish_kernel(HcMixArgs a, in
       if (idx < nn) {
         const int j = idx / n;
         float s = 0.0f;
-        for (int k = 0; k < n; ++k) s += s_c[j * n + k];
+#pragma unroll
+        for (int k = 0; k < kMaxN; ++k) {
+          if (k < n) s += s_c[j * n + k];
+        }
         c[r] = mx[r] / s + a.eps;
       }
     }
-    // rows: divide by sum_k C[j][k] + eps; columns: by sum_j C[j][k] + eps
+    // rows: divide by sum_k C[j][k] + eps; columns: by sum_j C[j][k] + eps (sums in index order; the loads of a
+    // sum unrolled, so they are in flight together)
     auto normalise = [&](bool rows) {
       __syncwarp();
 #pragma unroll
@@ -205,11 +197,11 @@ __global__ void __launch_bounds__(kThreads) hc_mix_finish_kernel(HcMixArgs a, in
         const int idx = lane + 32 * r;
         if (idx < nn) {
           const int j = idx / n, k = idx - j * n;
+          const int first = rows ? j * n : k, stride = rows ? 1 : n;
           float s = 0.0f;
-          if (rows) {
-            for (int kk = 0; kk < n; ++kk) s += s_c[j * n + kk];
-          } else {
-            for (int jj = 0; jj < n; ++jj) s += s_c[jj * n + k];
+#pragma unroll
+          for (int i = 0; i < kMaxN; ++i) {
+            if (i < n) s += s_c[first + i * stride];
           }
           c[r] = c[r] / (s + a.eps);
         }
@@ -226,9 +218,11 @@ __global__ void __launch_bounds__(kThreads) hc_mix_finish_kernel(HcMixArgs a, in
       if (idx < nn) a.comb[t * nn + idx] = c[r];
     }
   } else {
-    // collapse: x[t] = sum_j pre[j] x[t, j] (warp 0 is busy with Sinkhorn in hc_pre)
-    const int first = a.head ? 0 : 32;
-    for (int g = threadIdx.x - first; g < d / 4; g += kThreads - first) {
+    // collapse: x[t] = sum_j pre[j] x[t, j] (warp 0 is busy with Sinkhorn when `sinkhorn`)
+    const int first = sinkhorn ? 32 : 0;
+    const T* x_row = static_cast<const T*>(a.x) + t * k_dim;
+    T* out_row = static_cast<T*>(a.out) + t * d;
+    for (int64_t g = c0 + threadIdx.x - first; g < c1; g += kThreads - first) {
       float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       for (int j = 0; j < n; ++j) {
         const float4 xv = load4(x_row + static_cast<int64_t>(j) * d + 4 * g);
@@ -241,6 +235,55 @@ __global__ void __launch_bounds__(kThreads) hc_mix_finish_kernel(HcMixArgs a, in
       store4(out_row + 4 * g, acc);
     }
   }
+}
+
+// The M + 1 sums of acc over the CTA's warps, in warp order, into dst[0..m_rows] (the sum of squares at m_rows).
+// Every thread calls; dst is written by threads 0..m_rows after a barrier and visible after the next one.
+template <int CAP>
+__device__ __forceinline__ void block_mix_sums(float (&acc)[CAP + 1], float (*s_red)[CAP + 1], float* dst,
+                                               int m_rows) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int m = 0; m <= CAP; ++m) {
+    if (m < m_rows || m == CAP) {
+      const float v = warp_sum(acc[m]);
+      if (lane == 0) s_red[warp][m == CAP ? m_rows : m] = v;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x <= m_rows) {
+    float v = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) v += s_red[w][threadIdx.x];
+    dst[threadIdx.x] = v;
+  }
+}
+
+template <int CAP, typename T>
+__global__ void __launch_bounds__(kThreads) hc_mix_finish_kernel(HcMixArgs a, int m_rows, int n_splits) {
+  __shared__ float s_mix[CAP + 1];
+  __shared__ float s_red[kWarps][CAP + 1];
+  __shared__ float s_pre[kMaxN];
+  __shared__ float s_c[kMaxN * kMaxN];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t t = blockIdx.x;
+  const int64_t k_dim = static_cast<int64_t>(a.n) * a.d;
+  if (n_splits > 0) {
+    const float* part = reinterpret_cast<const float*>(static_cast<T*>(a.out) + t * a.d);
+    for (int i = warp; i <= m_rows; i += kWarps) {
+      float v = 0.0f;
+      for (int s = lane; s < n_splits; s += 32) v += part[s * (m_rows + 1) + i];
+      v = warp_sum(v);
+      if (lane == 0) s_mix[i] = v;
+    }
+  } else {
+    float acc[CAP + 1] = {};
+    mix_accumulate<CAP>(acc, a.fn, static_cast<const T*>(a.x) + t * k_dim, k_dim, m_rows, threadIdx.x, k_dim / 4,
+                        kThreads);
+    block_mix_sums<CAP>(acc, s_red, s_mix, m_rows);
+  }
+  __syncthreads();  // the partials in the output row are all read: the row may be overwritten after the next barrier
+  mix_finish<T>(a, t, s_mix, s_pre, s_c, m_rows, !a.head, 0, a.d / 4);
 }
 
 template <typename T>
