@@ -67,7 +67,7 @@ class Runtime:
     num_blocks: size of the block pool (default: enough for every slot at max_context).
     backend: torch.compile backend: "inductor" or "aot_eager" (the same fullgraph trace without code
         generation; the caches are written in place, as Inductor's reinplacing does: `dsv4rt.graphs.backend`),
-        or any backend torch.compile takes. Default: "inductor" for compile=True, "aot_eager" for graphs: on an
+        or any backend torch.compile takes; refused (ValueError) when the step runs eagerly. Default: "inductor" for compile=True, "aot_eager" for graphs: on an
         H200, Inductor's first start in a fresh environment took 350 s for 3 buckets of the tiny model (a second
         start, which reuses the compile cache, 9.2 s); aot_eager captured 7 buckets of a 4-layer Flash slice in
         18.7 s. Inductor's replayed decode step is shorter (the same slice on an H200: 1.48 against 2.19 ms at
@@ -90,6 +90,9 @@ class Runtime:
             max_tokens_per_step = _int_arg("max_tokens_per_step", max_tokens_per_step, 1)
         if num_blocks is not None:
             num_blocks = _int_arg("num_blocks", num_blocks, 0)
+        if backend is not None and not (compile or (model.device.type == "cuda" if graphs is None else graphs)):
+            raise ValueError(f"backend={getattr(backend, '__name__', backend)!r} is used only with compile=True or "
+                             "graphs=True; this runtime runs the step eagerly (graphs default to off on the CPU)")
         if max_context > model.cfg.max_position:
             raise ValueError(f"max_context {max_context} exceeds the model's max_position {model.cfg.max_position}")
         self.model, self.cfg = model, model.cfg

@@ -131,6 +131,10 @@ def test_runtime_argument_errors(model):
         dsv4rt.Model.random(CFG, dtype=torch.int64)
     with pytest.raises(ValueError, match="fp8 KV layout"):
         dsv4rt.Runtime(dsv4rt.Model.random(CFG.replace(head_dim=96, rope_dim=64)), kv_dtype="fp8")
+    with pytest.raises(ValueError, match=r"backend='inductor' is used only with compile=True or graphs=True"):
+        dsv4rt.Runtime(model, backend="inductor")  # a CPU model: no graphs, no compile
+    with pytest.raises(ValueError, match="backend='aot_eager' is used only with"):
+        dsv4rt.Runtime(model, backend="aot_eager", graphs=False)
 
 
 def test_native_kernels_mode_names_the_step_ops_without_a_kernel(monkeypatch):
