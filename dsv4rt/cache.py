@@ -102,6 +102,8 @@ class KVCache(nn.Module):
         self.cfg, self.kv_dtype = cfg, kv_dtype
         self.max_requests, self.max_context = max_requests, max_context
         self.max_blocks = math.ceil(max_context / BLOCK_TOKENS)
+        # compression rates of the layers that keep entries (blocks_needed runs for every request of every step)
+        self._rates = tuple(sorted({cfg.ratio(t) for t in cfg.layer_types if t != SLIDING}))
         self.num_blocks = max_requests * self.max_blocks if num_blocks is None else num_blocks
         self.layers = nn.ModuleList(
             LayerCache(cfg, t, max_requests, self.num_blocks, kv_dtype, dtype, torch.device(device))
@@ -117,9 +119,10 @@ class KVCache(nn.Module):
     def blocks_needed(self, n_tokens: int) -> int:
         """Blocks a request holding n_tokens processed tokens needs for its closed compressed entries."""
         need = 0
-        for t in set(self.cfg.layer_types) - {SLIDING}:
-            m = self.cfg.ratio(t)
-            need = max(need, math.ceil((n_tokens // m) / (BLOCK_TOKENS // m)))
+        for m in self._rates:  # closed entries n // m, BLOCK_TOKENS // m of them a block
+            b = -(-(n_tokens // m) // (BLOCK_TOKENS // m))
+            if b > need:
+                need = b
         return need
 
     def nbytes(self) -> int:

@@ -52,10 +52,15 @@ class StepInputs:
                            self.start_pos[:n_tokens], self.end_pos[:n_tokens], self.block_table,
                            self.logit_rows[:n_rows])
 
-    def copy_from(self, host: "StepInputs") -> None:
-        """Asynchronous when `host` is pinned and self is on a GPU."""
+    def copy_from(self, host: "StepInputs", block_rows: "list[int] | None" = None) -> None:
+        """Asynchronous when `host` is pinned and self is on a GPU. `block_rows`: copy only these rows of the block
+        table (the others are current already); None copies all of it."""
         for f in fields(self):  # not dataclasses.astuple, which deep-copies tensors
-            getattr(self, f.name).copy_(getattr(host, f.name), non_blocking=True)
+            if f.name == "block_table" and block_rows is not None:
+                for r in block_rows:
+                    self.block_table[r].copy_(host.block_table[r], non_blocking=True)
+            else:
+                getattr(self, f.name).copy_(getattr(host, f.name), non_blocking=True)
 
 
 def buckets_up_to(max_tokens: int) -> list[int]:
@@ -117,6 +122,8 @@ def fill(host: StepInputs, segments: list[Segment], all_logits: bool, max_tokens
 
 def split_segments(batch: list[Segment], max_tokens: int) -> list[list[Segment]]:
     """Pack the step's segments into forward calls of at most max_tokens tokens, splitting long prompts."""
+    if sum(len(seg.tokens) for seg in batch) <= max_tokens:  # one call (every decode step up to max_tokens)
+        return [batch] if batch else []
     calls: list[list[Segment]] = [[]]
     room = max_tokens
     for seg in batch:

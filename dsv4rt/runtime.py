@@ -110,6 +110,9 @@ class Runtime:
         # host side: the block table master copy and two pinned staging buffers, each guarded by the event of
         # the copy that last read it (rewriting staging under an in-flight non_blocking copy is a silent race)
         self.block_table = torch.full((max_requests + 1, self.cache.max_blocks), trash, dtype=torch.int32)
+        # rows of the host table changed since the static inputs' table was last written: only those are staged and
+        # copied (a full table is max_requests + 1 rows of max_context / 128 blocks, 2 MB at 64 x 1M tokens)
+        self._bt_dirty: set[int] = set()
         on_gpu = self.device.type == "cuda"
         self._stages = [StepInputs.allocate(self.max_tokens, max_requests, self.cache.max_blocks, trash, "cpu",
                                             pin=on_gpu) for _ in range(2 if on_gpu else 1)]
@@ -169,6 +172,7 @@ class Runtime:
         req = self._get(handle)
         self.allocator.free(req.blocks)
         self.block_table[req.slot].fill_(self.cache.num_blocks)
+        self._bt_dirty.add(req.slot)
         self._free_slots.append(req.slot)
         del self._requests[handle]
 
@@ -196,6 +200,7 @@ class Runtime:
         if not isinstance(batch, Mapping) or not batch:
             raise RequestError("step() takes a non-empty dict {handle: [token ids]}")
         segments, need_blocks, seen = [], 0, set()
+        vocab, blocks_needed = self.cfg.vocab_size, self.cache.blocks_needed
         for handle, tokens in batch.items():
             req = self._get(handle)
             handle = operator.index(handle)  # an int from here on (the handle may come as another integer type)
@@ -204,15 +209,16 @@ class Runtime:
             if handle in seen:
                 raise RequestError(f"request {handle} appears twice in the step")
             seen.add(handle)
-            toks = _token_list(f"request {handle}", tokens)
+            toks = _token_list("request", tokens, handle)
             if not toks:
                 raise RequestError(f"request {handle}: no new tokens")
-            bad = [t for t in toks if not 0 <= t < self.cfg.vocab_size]
-            if bad:
-                raise RequestError(f"request {handle}: token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
-            if req.pos + len(toks) > self.max_context:
+            if min(toks) < 0 or max(toks) >= vocab:
+                bad = next(t for t in toks if not 0 <= t < vocab)
+                raise RequestError(f"request {handle}: token id {bad} outside the vocabulary [0, {vocab})")
+            end = req.pos + len(toks)
+            if end > self.max_context:
                 raise RequestError(f"request {handle}: {req.pos} + {len(toks)} tokens exceeds max_context={self.max_context}")
-            need_blocks += max(0, self.cache.blocks_needed(req.pos + len(toks)) - len(req.blocks))
+            need_blocks += max(0, blocks_needed(end) - len(req.blocks))
             segments.append(Segment(handle, req.slot, req.pos, toks))
         if need_blocks > self.allocator.num_free:
             raise CapacityError(f"block allocator exhausted: the step needs {need_blocks} new blocks, "
@@ -228,6 +234,7 @@ class Runtime:
                 req.blocks.extend(self.allocator.allocate(n_new))
                 self.block_table[req.slot, first:len(req.blocks)] = torch.tensor(req.blocks[first:],
                                                                                   dtype=torch.int32)
+                self._bt_dirty.add(req.slot)
 
     # ------------------------------------------------------------------ step
     def _stage(self) -> StepInputs:
@@ -242,7 +249,13 @@ class Runtime:
         """Prepare one forward call and launch it; returns the device logits (no host sync) and row owners."""
         stage = self._stage()
         bucket, n_rows, owners = fill(stage, call, all_logits, self.max_tokens, self.rows_cap)
-        stage.block_table.copy_(self.block_table)
+        rows = sorted(self._bt_dirty)
+        if 4 * len(rows) > self.block_table.shape[0]:
+            rows = None  # many rows: one copy of the whole table
+            stage.block_table.copy_(self.block_table)
+        else:
+            for r in rows:
+                stage.block_table[r].copy_(self.block_table[r])
         key = (bucket, all_logits)
         if self.runner is not None and not self.runner.has(key):
             # Warm-up and capture run the step: do it on padding, before the real inputs land, so that no
@@ -250,7 +263,8 @@ class Runtime:
             self.log(f"capturing bucket {key} on first use ...")
             self.inputs.req_slot.fill_(PAD_SLOT)
             self.runner.capture([key])
-        self.inputs.copy_from(stage)
+        self.inputs.copy_from(stage, block_rows=rows)
+        self._bt_dirty.clear()
         self._landed = True  # from here on the call may write its requests' caches
         if self.device.type == "cuda":
             event = self._stage_events[self._stage_i] or torch.cuda.Event()
@@ -284,10 +298,9 @@ class Runtime:
                     self._requests[seg.handle].broken = (f"a forward call failed ({type(e).__name__}) after it may "
                                                          f"have written part of this request's caches")
                 raise
-            r = 0
-            for handle, k in owners:
-                pieces[handle].append(logits[r:r + k])
-                r += k
+            sizes = [k for _, k in owners]
+            for (handle, _), part in zip(owners, logits[:sum(sizes)].split(sizes)):
+                pieces[handle].append(part)
             for seg in call:
                 self._requests[seg.handle].pos += len(seg.tokens)
         if all_logits:
@@ -313,6 +326,7 @@ class Runtime:
         req = self._requests[handle]
         req.blocks = self.allocator.allocate(need)
         self.block_table[req.slot, :need] = torch.tensor(req.blocks, dtype=torch.int32)
+        self._bt_dirty.add(req.slot)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         cfg = self.cfg
         blocks = torch.tensor(req.blocks, dtype=torch.long, device=self.device)
@@ -352,7 +366,7 @@ class Runtime:
         prompts run in groups as large as the free request slots, each group's slots released at the end."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
             raise RequestError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
-        prompts = [_token_list(f"prompt {i}", p) for i, p in enumerate(prompts)]
+        prompts = [_token_list("prompt", p, i) for i, p in enumerate(prompts)]
         try:
             max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 0)
             top_k = _int_arg("top_k", top_k, 0)
@@ -437,8 +451,12 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _token_list(who: str, tokens) -> list[int]:
-    """Token ids as a list of ints; strings, floats and bools are refused rather than converted."""
+def _token_list(kind: str, tokens, index: int) -> list[int]:
+    """Token ids as a list of ints; strings, floats and bools are refused rather than converted. Errors name
+    f"{kind} {index}" (the message is built only then)."""
+    if type(tokens) is list and all(type(t) is int for t in tokens):  # the common case, without per-item checks
+        return list(tokens)
+    who = f"{kind} {index}"
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
             raise RequestError(f"{who}: token ids must be a 1-D integer tensor or a sequence of ints")

@@ -515,3 +515,33 @@ def test_alone_reference_is_chunking_independent():
     chunks += [[t] for t in seq[i:]]
     got = torch.cat([rt.step({h: ch}, all_logits=True)[h] for ch in chunks])
     assert rel_err(got, alone(tuple(seq))) <= TOL
+
+
+def test_static_block_table_follows_the_host_table(monkeypatch):
+    """Each forward call copies only the block-table rows changed since the last one (all of them in one copy when
+    more than a quarter changed): after every step the static inputs' table equals the host table, through
+    admissions, block allocation mid-decode, releases and slot reuse, on both copy paths."""
+    rt = dsv4rt.Runtime(tiny_model(), max_requests=8, max_context=MAX_CONTEXT, max_tokens_per_step=1024)
+    copied: list = []  # block_rows of each forward call (one call a step here)
+    real = StepInputs.copy_from
+    monkeypatch.setattr(StepInputs, "copy_from", lambda self, host, block_rows=None: (
+        copied.append(block_rows), real(self, host, block_rows))[-1])
+
+    def step(batch):
+        rt.step(batch)
+        assert torch.equal(rt.inputs.block_table, rt.block_table)
+
+    hs = [rt.admit() for _ in range(4)]
+    step({h: list(stream(i)[:128 + i]) for i, h in enumerate(hs)})  # 4 of 9 rows get blocks: the whole table
+    assert copied[-1] is None
+    step({hs[3]: [1]})  # 131 -> 132 tokens: its second block, one row
+    assert copied[-1] == [rt._requests[hs[3]].slot]
+    step({h: [2] for h in hs})  # nothing changed: no row
+    assert copied[-1] == []
+    slot = rt._requests[hs[0]].slot
+    rt.release(hs[0])
+    step({hs[1]: [3]})  # the released row goes back to the trash block
+    assert copied[-1] == [slot]
+    h = rt.admit()  # the same slot again, fresh blocks
+    step({h: list(stream(9)[:5])})
+    assert rt._requests[h].slot == slot and copied[-1] == [slot]
