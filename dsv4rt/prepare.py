@@ -86,10 +86,12 @@ def logit_rows_for(bucket: int, all_logits: bool, rows_cap: int) -> int:
     return bucket if all_logits else min(bucket, rows_cap)
 
 
-def fill(host: StepInputs, segments: list[Segment], all_logits: bool, max_tokens: int,
-         rows_cap: int) -> tuple[int, int, list]:
-    """Write one forward call's segments (not the block table) into the host buffers.
-    Returns (bucket, logit rows, [(handle, rows of that handle)] in row order)."""
+def fill(host: StepInputs, segments: list[Segment], all_logits: bool, max_tokens: int, rows_cap: int,
+         written: "tuple[int, int] | None" = None) -> tuple[int, int, list, tuple[int, int]]:
+    """Write one forward call's segments (not the block table) into the host buffers, padding after them.
+    `written`: the (token, logit row) counts the previous fill of these buffers wrote (everything after them is
+    padding already); None pads to the end. Returns (bucket, logit rows, [(handle, rows of that handle)] in row
+    order, the counts written now)."""
     ids: list[int] = []
     pos: list[int] = []
     slot: list[int] = []
@@ -110,14 +112,18 @@ def fill(host: StepInputs, segments: list[Segment], all_logits: bool, max_tokens
         else:
             rows.append(t + k - 1)
             owners.append((s.handle, 1))
-    n = len(ids)
+    n, n_rows = len(ids), len(rows)
     bucket = bucket_for(n, max_tokens)
-    # one tensor per field (a few large copies instead of five small ones per request); padding after n
-    for buf, vals, pad in ((host.token_ids, ids, 0), (host.positions, pos, 0), (host.req_slot, slot, PAD_SLOT),
-                           (host.start_pos, start, 0), (host.end_pos, end, 0), (host.logit_rows, rows, 0)):
-        buf[: len(vals)] = torch.tensor(vals, dtype=buf.dtype)
-        buf[len(vals):] = pad
-    return bucket, logit_rows_for(bucket, all_logits, rows_cap), owners
+    # one host tensor for every field, a copy per field; padding only where the previous fill wrote values
+    vals = torch.tensor(ids + pos + slot + start + end + rows, dtype=torch.int64).split([n] * 5 + [n_rows])
+    stale_n, stale_rows = written if written is not None else (max_tokens, max_tokens)
+    for buf, v, stale, pad in zip((host.token_ids, host.positions, host.req_slot, host.start_pos, host.end_pos,
+                                   host.logit_rows), vals, (stale_n,) * 5 + (stale_rows,), (0, 0, PAD_SLOT, 0, 0, 0)):
+        k = v.shape[0]
+        buf[:k].copy_(v)
+        if stale > k:
+            buf[k:stale] = pad
+    return bucket, logit_rows_for(bucket, all_logits, rows_cap), owners, (n, n_rows)
 
 
 def split_segments(batch: list[Segment], max_tokens: int) -> list[list[Segment]]:

@@ -118,6 +118,7 @@ class Runtime:
         self._stages = [StepInputs.allocate(self.max_tokens, max_requests, self.cache.max_blocks, trash, "cpu",
                                             pin=on_gpu) for _ in range(2 if on_gpu else 1)]
         self._stage_events: list[Optional[torch.cuda.Event]] = [None] * len(self._stages)
+        self._stage_written = [(0, 0)] * len(self._stages)  # what each staging buffer's last fill wrote (prepare.fill)
         self._stage_i = 0
         self._step = Step(model, self.cache)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -249,7 +250,9 @@ class Runtime:
     def _launch(self, call: list[Segment], all_logits: bool) -> tuple[torch.Tensor, list]:
         """Prepare one forward call and launch it; returns the device logits (no host sync) and row owners."""
         stage = self._stage()
-        bucket, n_rows, owners = fill(stage, call, all_logits, self.max_tokens, self.rows_cap)
+        bucket, n_rows, owners, written = fill(stage, call, all_logits, self.max_tokens, self.rows_cap,
+                                               self._stage_written[self._stage_i])
+        self._stage_written[self._stage_i] = written
         rows = sorted(self._bt_dirty)
         if 4 * len(rows) > self.block_table.shape[0]:
             rows = None  # many rows: one copy of the whole table

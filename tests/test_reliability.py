@@ -545,3 +545,26 @@ def test_static_block_table_follows_the_host_table(monkeypatch):
     h = rt.admit()  # the same slot again, fresh blocks
     step({h: list(stream(9)[:5])})
     assert rt._requests[h].slot == slot and copied[-1] == [slot]
+
+
+def test_fill_pads_what_the_previous_fill_wrote():
+    """prepare.fill pads only up to what the previous fill of the same buffers wrote; after any sequence of calls
+    the buffers equal a fresh fill of the last call (padding included), for decode and prefill shapes."""
+    from dsv4rt.prepare import Segment, fill
+
+    def fresh(segs, all_logits):
+        buf = StepInputs.allocate(64, 4, 2, 9, "cpu")
+        fill(buf, segs, all_logits, 64, 4)
+        return buf
+
+    calls = [([Segment(0, 0, 5, list(range(40))), Segment(1, 2, 0, [7, 8])], True),
+             ([Segment(1, 2, 2, [3])], False),
+             ([Segment(0, 0, 45, [1, 2, 3]), Segment(2, 1, 9, [4]), Segment(1, 2, 3, [5])], False),
+             ([Segment(3, 3, 0, list(range(64)))], True),
+             ([Segment(3, 3, 64, [6])], True)]
+    buf, written = StepInputs.allocate(64, 4, 2, 9, "cpu"), (0, 0)
+    for segs, all_logits in calls:
+        *_, written = fill(buf, segs, all_logits, 64, 4, written)
+        want = fresh(segs, all_logits)
+        for f in dataclasses.fields(StepInputs):
+            assert torch.equal(getattr(buf, f.name), getattr(want, f.name)), f.name
