@@ -23,3 +23,20 @@ def _cuda_kernels():
     if torch.cuda.is_available() and os.environ.get("DSV4RT_KERNELS", "native") != "reference":
         import dsv4rt.ops
         dsv4rt.ops.load_cuda_kernels()
+
+
+@pytest.fixture
+def block_rows_copied(monkeypatch) -> list:
+    """The `block_rows` argument of every StepInputs.copy_from call from here on (None: the whole block table),
+    in call order; the copies still happen."""
+    from dsv4rt.prepare import StepInputs
+
+    calls: list = []
+    real = StepInputs.copy_from
+
+    def copy_from(self, host, block_rows=None):
+        calls.append(block_rows)
+        return real(self, host, block_rows)
+
+    monkeypatch.setattr(StepInputs, "copy_from", copy_from)
+    return calls

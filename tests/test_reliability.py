@@ -517,15 +517,12 @@ def test_alone_reference_is_chunking_independent():
     assert rel_err(got, alone(tuple(seq))) <= TOL
 
 
-def test_static_block_table_follows_the_host_table(monkeypatch):
+def test_static_block_table_follows_the_host_table(block_rows_copied):
     """Each forward call copies only the block-table rows changed since the last one (all of them in one copy when
     more than a quarter changed): after every step the static inputs' table equals the host table, through
     admissions, block allocation mid-decode, releases and slot reuse, on both copy paths."""
     rt = dsv4rt.Runtime(tiny_model(), max_requests=8, max_context=MAX_CONTEXT, max_tokens_per_step=1024)
-    copied: list = []  # block_rows of each forward call (one call a step here)
-    real = StepInputs.copy_from
-    monkeypatch.setattr(StepInputs, "copy_from", lambda self, host, block_rows=None: (
-        copied.append(block_rows), real(self, host, block_rows))[-1])
+    copied = block_rows_copied  # block_rows of each forward call (one call a step here)
 
     def step(batch):
         rt.step(batch)

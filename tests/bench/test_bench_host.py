@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import dsv4rt
-from dsv4rt.prepare import StepInputs
 
 CASES = [(1, 4096), (64, 4096), (64, 1 << 20)]  # (batch, max_context): the 1M table is 65 x 8,192 blocks
 
@@ -22,7 +21,7 @@ def model():
 
 
 @pytest.mark.parametrize("batch,max_context", CASES)
-def test_bench_step_host(benchmark, model, monkeypatch, batch, max_context):
+def test_bench_step_host(benchmark, model, block_rows_copied, batch, max_context):
     rt = dsv4rt.Runtime(model, max_requests=batch, max_context=max_context, num_blocks=batch * 40,
                         max_tokens_per_step=batch)
     logits = torch.zeros(rt.rows_cap, model.cfg.vocab_size)
@@ -32,10 +31,8 @@ def test_bench_step_host(benchmark, model, monkeypatch, batch, max_context):
     step = {h: [1] for h in handles}
     for _ in range(3):
         rt.step(step)
-    copied: list = []
-    real = StepInputs.copy_from
-    monkeypatch.setattr(StepInputs, "copy_from", lambda self, host, block_rows=None: (
-        copied.append(block_rows), real(self, host, block_rows))[-1])
+    del block_rows_copied[:]  # the steady steps only
+    copied = block_rows_copied
     out = benchmark.pedantic(lambda: rt.step(step), rounds=100, warmup_rounds=10)
     assert sorted(out) == sorted(handles) and all(v.shape == (1, model.cfg.vocab_size) for v in out.values())
     assert copied and all(rows == [] for rows in copied), "a steady decode step copied block-table rows"
