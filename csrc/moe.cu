@@ -253,17 +253,18 @@ __global__ void __launch_bounds__(kGateThreads) moe_gate_kernel(const T* x, cons
       if (q >= nq) break;
       float wf[kE];
       unpack_w<W>(wv[u], wf);
+      // no `t < n_tokens` test around the loads (each load waited for the previous token's): tokens past n_tokens
+      // re-read the last token's row into sums that are never stored
 #pragma unroll
       for (int t = 0; t < moe_gate_max_tokens; ++t) {
-        if (t < n_tokens) {
+        const int64_t tt = t < n_tokens ? t : n_tokens - 1;
 #pragma unroll
-          for (int h = 0; h < kE / 4; ++h) {
-            const float4 xv = load4<T>(x + t * dim + kE * q + 4 * h);
-            acc[t] = fmaf(wf[4 * h], xv.x, acc[t]);
-            acc[t] = fmaf(wf[4 * h + 1], xv.y, acc[t]);
-            acc[t] = fmaf(wf[4 * h + 2], xv.z, acc[t]);
-            acc[t] = fmaf(wf[4 * h + 3], xv.w, acc[t]);
-          }
+        for (int h = 0; h < kE / 4; ++h) {
+          const float4 xv = load4<T>(x + tt * dim + kE * q + 4 * h);
+          acc[t] = fmaf(wf[4 * h], xv.x, acc[t]);
+          acc[t] = fmaf(wf[4 * h + 1], xv.y, acc[t]);
+          acc[t] = fmaf(wf[4 * h + 2], xv.z, acc[t]);
+          acc[t] = fmaf(wf[4 * h + 3], xv.w, acc[t]);
         }
       }
     }
@@ -316,6 +317,14 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const float
   pdl_wait();
   if (t >= n_tokens) return;
   const float* row = logits + t * n_experts;
+  // every logit load issued before any is used (a load under `e < n_experts`, used at once, waited for the memory
+  // before the next was issued: J round trips); lanes past n_experts re-read the last logit and discard it
+  float z[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int e = j * 32 + lane;
+    z[j] = row[e < n_experts ? e : n_experts - 1];
+  }
   float sel[J], sc[J];
   uint32_t taken = 0;  // bit j: expert j * 32 + lane chosen (or absent)
 #pragma unroll
@@ -324,7 +333,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const float
     sc[j] = 0.0f;
     sel[j] = 0.0f;
     if (e < n_experts) {
-      sc[j] = sqrt_softplus(row[e]);
+      sc[j] = sqrt_softplus(z[j]);
       sel[j] = sc[j] + bv[j];
     } else {
       taken |= 1u << j;
