@@ -8,11 +8,15 @@
 //   * finish kernel: one CTA per token sums the partials (or, without the partial kernel, computes the whole mix
 //     itself), then mix = dot * rsqrt(mean(f^2) + norm_eps), pre = sigmoid(mix * scale[0] + base) + eps. Only then
 //     (after a barrier) is the output row overwritten: warps 1.. collapse x = sum_j pre[j] x[t, j], while warp 0
-//     computes post and the Sinkhorn matrix (hc_pre): one matrix element per lane (two when n*n > 32), the
-//     matrix in shared memory; row and column sums in index order; the reference's order of normalisations and
-//     eps placement (softmax + eps, column, then iters - 1 times row and column).
+//     computes post and the Sinkhorn matrix (hc_pre): for n <= 4 the whole matrix in each lane's registers
+//     (sinkhorn_regs), else one matrix element per lane (two when n*n > 32) in shared memory; row and column sums
+//     in index order; the reference's order of normalisations and eps placement (softmax + eps, column, then
+//     iters - 1 times row and column).
 // hc_post: one thread per (token, 4 channels): the n source streams and y in registers, n destination streams out.
-// Every reduction has a fixed order (no atomics), so results are deterministic. Grids depend on shapes only.
+// Every grid is launched with programmatic dependent launch (DSV4RT_MHC_PDL=0: plain launches): hc_post lets the
+// next grid start at once, the partial grid brings its weight slice into L2 before it waits, the finish grid loads
+// its first stream values before it waits. Every reduction has a fixed order (no atomics), so results are
+// deterministic. Grids depend on shapes only.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -40,6 +44,8 @@ __device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
   const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
   return make_float4(a.x, a.y, b.x, b.y);
 }
+
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 __device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
 
@@ -94,13 +100,28 @@ __device__ __forceinline__ void mix_accumulate(float (&acc)[CAP + 1], const floa
   }
 }
 
-template <int CAP, typename T>
-__global__ void __launch_bounds__(kThreads) hc_mix_partial_kernel(HcMixArgs a, int m_rows, int64_t kc,
-                                                                  int tokens_per_warp) {
+// MINB 1: the grid fits on the SMs at once, so a thread may take every register (all of a group's rows in flight, see
+// mix_accumulate). MINB 2: no minimum in the launch bounds, the compiler's choice (128 registers at CAP 24; an
+// explicit minimum of 2 CTAs an SM gave the same count but issued the row loads one or two at a time between the
+// multiplies: H200, hc_pre at 64 tokens, partial grid 8.8 -> 15.5 us).
+template <int CAP, typename T, int MINB>
+__global__ void __launch_bounds__(kThreads, MINB == 1 ? 1 : 0)
+    hc_mix_partial_kernel(HcMixArgs a, int m_rows, int64_t kc, int tokens_per_warp) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t k_dim = static_cast<int64_t>(a.n) * a.d;
   const int split = blockIdx.x;
   const int64_t g0 = split * kc / 4, g1 = (k_dim < (split + 1) * kc ? k_dim : (split + 1) * kc) / 4;
+  // the weights are no grid's output: the CTA's slice of them is brought into L2 while the grid before still runs
+  // (one-wave grids, first token tile only; at most kThreads * 4 lines)
+  if (MINB == 1 && blockIdx.y == 0) {
+    const int64_t lines_a_row = (g1 - g0) * 16 / 128, lines = m_rows * lines_a_row;
+    for (int64_t i = threadIdx.x; i < lines && i < 4 * kThreads; i += kThreads) {
+      const int64_t m = i / lines_a_row, l = i - m * lines_a_row;
+      prefetch_l2(a.fn + m * k_dim + 4 * g0 + 32 * l);
+    }
+  }
+  pdl_wait();               // x is the grid before's output
+  pdl_launch_dependents();  // after the wait: the finish grid may read x before its own wait
   const int64_t t0 = (static_cast<int64_t>(blockIdx.y) * kWarps + warp) * tokens_per_warp;
   const T* x = static_cast<const T*>(a.x);
   for (int i = 0; i < tokens_per_warp; ++i) {
@@ -120,20 +141,117 @@ __global__ void __launch_bounds__(kThreads) hc_mix_partial_kernel(HcMixArgs a, i
   }
 }
 
+// The Sinkhorn matrix of hc_pre for n <= NX <= 4: every lane of warp 0 holds the whole matrix in registers (the
+// same values in every lane), so a row or column sum is register adds and a normalisation multiplies by one
+// correctly rounded reciprocal (__frcp_rn) a line: no shared memory, shuffles or barriers in the chain of
+// 2 * iters - 1 normalisations. The reference's order (softmax over the row + eps, columns, then iters - 1 times rows
+// and columns) and its sums' index order are kept; x * (1 / s) may differ from x / s in the last bit. Lane 0 stores.
+// Measured (H200, Flash dims, one token, finish grid alone): 3.6 / 4.0 / 11.8 us at 1 / 2 / 20 iterations, so an
+// iteration costs about 0.4 us, no less than in the shared-memory form (11.3 us at 20): the chain's latency, not
+// the exchange of sums, sets it; what in the chain does was not measured.
+template <int NX>
+__device__ __forceinline__ void sinkhorn_regs(const HcMixArgs& a, int64_t t, const float* s_mix, float rms) {
+  const int n = a.n;
+  const float s2 = a.scale[2], eps = a.eps;
+  float c[NX][NX];
+#pragma unroll
+  for (int j = 0; j < NX; ++j) {
+#pragma unroll
+    for (int k = 0; k < NX; ++k) {
+      c[j][k] = j < n && k < n ? s_mix[2 * n + j * n + k] * rms * s2 + a.base[2 * n + j * n + k] : 0.0f;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < NX; ++j) {  // softmax over k, + eps
+    float m = c[j][0];
+#pragma unroll
+    for (int k = 1; k < NX; ++k) {
+      if (k < n) m = fmaxf(m, c[j][k]);
+    }
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NX; ++k) {
+      c[j][k] = k < n ? expf(c[j][k] - m) : 0.0f;
+      sum += c[j][k];
+    }
+    const float r = __frcp_rn(sum);
+#pragma unroll
+    for (int k = 0; k < NX; ++k) c[j][k] = __fadd_rn(__fmul_rn(c[j][k], r), eps);
+  }
+  auto columns = [&]() {
+#pragma unroll
+    for (int k = 0; k < NX; ++k) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < NX; ++j) {
+        if (j < n) sum += c[j][k];
+      }
+      const float r = __frcp_rn(sum + eps);
+#pragma unroll
+      for (int j = 0; j < NX; ++j) c[j][k] *= r;
+    }
+  };
+  auto rows = [&]() {
+#pragma unroll
+    for (int j = 0; j < NX; ++j) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int k = 0; k < NX; ++k) {
+        if (k < n) sum += c[j][k];
+      }
+      const float r = __frcp_rn(sum + eps);
+#pragma unroll
+      for (int k = 0; k < NX; ++k) c[j][k] *= r;
+    }
+  };
+  columns();
+  for (int it = 1; it < a.iters; ++it) {
+    rows();
+    columns();
+  }
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int j = 0; j < NX; ++j) {
+#pragma unroll
+      for (int k = 0; k < NX; ++k) {
+        if (j < n && k < n) a.comb[t * n * n + j * n + k] = c[j][k];
+      }
+    }
+  }
+}
+
+// x[t, j] at float4 group g for j < NX, NX >= n (rows past n re-read row n - 1: no condition, so all are in flight
+// together)
+template <int NX, typename T>
+__device__ __forceinline__ void load_streams(float4 (&v)[NX], const T* x_row, int n, int d, int64_t g) {
+#pragma unroll
+  for (int j = 0; j < NX; ++j) v[j] = load4(x_row + static_cast<int64_t>(j < n ? j : n - 1) * d + 4 * g);
+}
+
+// First float4 group a thread collapses in mix_finish (negative for warp 0 of hc_pre, which runs the Sinkhorn), and
+// the step between its groups.
+__device__ __forceinline__ int64_t collapse_first(bool sinkhorn) { return threadIdx.x - (sinkhorn ? 32 : 0); }
+__device__ __forceinline__ int collapse_step(bool sinkhorn) { return kThreads - (sinkhorn ? 32 : 0); }
+
 // The rest of hc_pre / hc_head once s_mix holds the token's M dot products and (at index m_rows) its sum of squares:
 // pre = sigmoid(mix * rms * scale[0] + base) + eps; then, after a barrier, warp 0 computes post and the Sinkhorn
-// matrix (when `sinkhorn`: hc_pre) while the other threads collapse the float4 groups [c0, c1) of
-// x = sum_j pre[j] x[t, j] into the output row. Every thread of the CTA calls it.
-template <typename T>
+// matrix (when `sinkhorn`: hc_pre) while the other threads collapse x = sum_j pre[j] x[t, j] into the output row,
+// group collapse_first(), then every collapse_step() after it. `cur` holds the thread's first group of x[t]
+// (load_streams; loaded by the caller, so that it can be in flight early); each group's successor is loaded before
+// the group is summed. Every thread of the CTA calls it.
+template <int NX, typename T>
 __device__ __forceinline__ void mix_finish(const HcMixArgs& a, int64_t t, const float* s_mix, float* s_pre,
-                                           float* s_c, int m_rows, bool sinkhorn, int64_t c0, int64_t c1) {
+                                           float* s_c, int m_rows, bool sinkhorn, float4 (&cur)[NX]) {
   const int lane = threadIdx.x % 32, n = a.n, d = a.d;
   const int64_t k_dim = static_cast<int64_t>(n) * d;
   const float rms = 1.0f / sqrtf(s_mix[m_rows] / static_cast<float>(k_dim) + a.norm_eps);
   if (threadIdx.x < n) s_pre[threadIdx.x] = sigmoidf(s_mix[threadIdx.x] * rms * a.scale[0] + a.base[threadIdx.x]) + a.eps;
   __syncthreads();
 
-  if (sinkhorn && threadIdx.x < 32) {
+  if (NX <= 4 && sinkhorn && threadIdx.x < 32 && !a.sinkhorn_smem) {
+    if (lane < n) a.post[t * n + lane] = 2.0f * sigmoidf(s_mix[n + lane] * rms * a.scale[1] + a.base[n + lane]);
+    sinkhorn_regs<NX <= 4 ? NX : 4>(a, t, s_mix, rms);
+  } else if (sinkhorn && threadIdx.x < 32) {  // larger n, or forced: an element a lane, the matrix in shared memory
     if (lane < n) a.post[t * n + lane] = 2.0f * sigmoidf(s_mix[n + lane] * rms * a.scale[1] + a.base[n + lane]);
     const int nn = n * n;
     const float s2 = a.scale[2];
@@ -219,20 +337,27 @@ __device__ __forceinline__ void mix_finish(const HcMixArgs& a, int64_t t, const 
     }
   } else {
     // collapse: x[t] = sum_j pre[j] x[t, j] (warp 0 is busy with Sinkhorn when `sinkhorn`)
-    const int first = sinkhorn ? 32 : 0;
     const T* x_row = static_cast<const T*>(a.x) + t * k_dim;
     T* out_row = static_cast<T*>(a.out) + t * d;
-    for (int64_t g = c0 + threadIdx.x - first; g < c1; g += kThreads - first) {
+    const int64_t groups = d / 4;
+    const int step = collapse_step(sinkhorn);
+    for (int64_t g = collapse_first(sinkhorn); g < groups; g += step) {
+      float4 next[NX];
+      if (g + step < groups) load_streams<NX>(next, x_row, n, d, g + step);
       float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      for (int j = 0; j < n; ++j) {
-        const float4 xv = load4(x_row + static_cast<int64_t>(j) * d + 4 * g);
-        const float p = s_pre[j];
-        acc.x += p * xv.x;
-        acc.y += p * xv.y;
-        acc.z += p * xv.z;
-        acc.w += p * xv.w;
+#pragma unroll
+      for (int j = 0; j < NX; ++j) {
+        if (j < n) {
+          const float p = s_pre[j];
+          acc.x += p * cur[j].x;
+          acc.y += p * cur[j].y;
+          acc.z += p * cur[j].z;
+          acc.w += p * cur[j].w;
+        }
       }
       store4(out_row + 4 * g, acc);
+#pragma unroll
+      for (int j = 0; j < NX; ++j) cur[j] = next[j];
     }
   }
 }
@@ -259,8 +384,11 @@ __device__ __forceinline__ void block_mix_sums(float (&acc)[CAP + 1], float (*s_
   }
 }
 
-template <int CAP, typename T>
-__global__ void __launch_bounds__(kThreads) hc_mix_finish_kernel(HcMixArgs a, int m_rows, int n_splits) {
+// Launched with programmatic dependent launch. After the partial grid (n_splits > 0), which waits for the grid
+// before it and only then lets this grid start, x is complete: the collapse's first loads go out before the wait.
+// NX >= n: streams a thread holds for the collapse (4 for n <= 4, so no load is repeated at the DSV4 value n = 4).
+template <int CAP, int NX, typename T, int MINB>
+__global__ void __launch_bounds__(kThreads, MINB) hc_mix_finish_kernel(HcMixArgs a, int m_rows, int n_splits) {
   __shared__ float s_mix[CAP + 1];
   __shared__ float s_red[kWarps][CAP + 1];
   __shared__ float s_pre[kMaxN];
@@ -268,22 +396,45 @@ __global__ void __launch_bounds__(kThreads) hc_mix_finish_kernel(HcMixArgs a, in
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t t = blockIdx.x;
   const int64_t k_dim = static_cast<int64_t>(a.n) * a.d;
+  const T* x_row = static_cast<const T*>(a.x) + t * k_dim;
+  const bool sinkhorn = !a.head;
+  const int64_t g = collapse_first(sinkhorn);
+  float4 cur[NX];
+  if (n_splits > 0 && g >= 0 && g < a.d / 4) load_streams<NX>(cur, x_row, a.n, a.d, g);
+  pdl_wait();
   if (n_splits > 0) {
+    // value i = warp + q * kWarps of the M + 1, summed over the splits s = lane, lane + 32, ... in that order, then
+    // across the lanes; every load of a pass issued before any is added
+    constexpr int kPer = (CAP + 1 + kWarps - 1) / kWarps;
     const float* part = reinterpret_cast<const float*>(static_cast<T*>(a.out) + t * a.d);
-    for (int i = warp; i <= m_rows; i += kWarps) {
-      float v = 0.0f;
-      for (int s = lane; s < n_splits; s += 32) v += part[s * (m_rows + 1) + i];
-      v = warp_sum(v);
-      if (lane == 0) s_mix[i] = v;
+    float v[kPer] = {};
+#pragma unroll 4
+    for (int s0 = 0; s0 < n_splits; s0 += 32) {
+      const int s = s0 + lane;
+      float p[kPer];
+#pragma unroll
+      for (int q = 0; q < kPer; ++q) {
+        const int i = warp + q * kWarps;
+        p[q] = s < n_splits && i <= m_rows ? part[s * (m_rows + 1) + i] : 0.0f;
+      }
+#pragma unroll
+      for (int q = 0; q < kPer; ++q) v[q] += p[q];
+    }
+#pragma unroll
+    for (int q = 0; q < kPer; ++q) {
+      const int i = warp + q * kWarps;
+      const float sum = warp_sum(v[q]);
+      if (lane == 0 && i <= m_rows) s_mix[i] = sum;
     }
   } else {
     float acc[CAP + 1] = {};
-    mix_accumulate<CAP>(acc, a.fn, static_cast<const T*>(a.x) + t * k_dim, k_dim, m_rows, threadIdx.x, k_dim / 4,
-                        kThreads);
+    mix_accumulate<CAP>(acc, a.fn, x_row, k_dim, m_rows, threadIdx.x, k_dim / 4, kThreads);
     block_mix_sums<CAP>(acc, s_red, s_mix, m_rows);
   }
   __syncthreads();  // the partials in the output row are all read: the row may be overwritten after the next barrier
-  mix_finish<T>(a, t, s_mix, s_pre, s_c, m_rows, !a.head, 0, a.d / 4);
+  if (n_splits == 0 && g >= 0 && g < a.d / 4) load_streams<NX>(cur, x_row, a.n, a.d, g);
+  pdl_launch_dependents();
+  mix_finish<NX, T>(a, t, s_mix, s_pre, s_c, m_rows, sinkhorn, cur);
 }
 
 template <typename T>
@@ -291,6 +442,8 @@ __global__ void __launch_bounds__(kPostThreads) hc_post_kernel(HcPostArgs a) {
   const int n = a.n, d = a.d;
   const int64_t groups = d / 4;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kPostThreads + threadIdx.x;
+  pdl_launch_dependents();  // the next grid (hc_pre's partial grid: its weights into L2) may be scheduled
+  pdl_wait();               // every input may be an output of the grid before
   if (i >= a.n_tokens * groups) return;
   const int64_t t = i / groups, g = i - t * groups;
   const T* x = static_cast<const T*>(a.x) + t * n * d + 4 * g;
@@ -326,8 +479,16 @@ __global__ void __launch_bounds__(kPostThreads) hc_post_kernel(HcPostArgs a) {
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-template <int CAP, typename T>
+// Programmatic dependent launch for every mHC grid (a grid may be scheduled while the one before it runs, and waits
+// for it with pdl_wait); DSV4RT_MHC_PDL=0 turns it off (plain launches).
+bool use_pdl() {
+  const char* env = std::getenv("DSV4RT_MHC_PDL");
+  return !(env != nullptr && env[0] == '0' && env[1] == '\0');
+}
+
+template <int CAP, int NX, typename T>
 cudaError_t launch_mix(const HcMixArgs& a, int m_rows, cudaStream_t stream) {
+  const bool pdl = use_pdl();
   const int64_t k_dim = static_cast<int64_t>(a.n) * a.d;
   // splits whose partials (M + 1 floats each) fit in the token's output row
   const int64_t max_fit = static_cast<int64_t>(a.d) * static_cast<int64_t>(sizeof(T)) / 4 / (m_rows + 1);
@@ -344,32 +505,46 @@ cudaError_t launch_mix(const HcMixArgs& a, int m_rows, cudaStream_t stream) {
     if (splits >= 2) {
       if (tiles > 65535) return cudaErrorInvalidConfiguration;
       n_splits = static_cast<int>(splits);
-      hc_mix_partial_kernel<CAP, T><<<dim3(n_splits, static_cast<unsigned>(tiles)), kThreads, 0, stream>>>(
-          a, m_rows, kc, tokens_per_warp);
-      const cudaError_t err = cudaGetLastError();
+      const dim3 grid(n_splits, static_cast<unsigned>(tiles));
+      const cudaError_t err =
+          n_splits * tiles <= num_sms()
+              ? launch_ex(hc_mix_partial_kernel<CAP, T, 1>, grid, dim3(kThreads), 0, stream, 1, pdl, a, m_rows, kc,
+                          tokens_per_warp)
+              : launch_ex(hc_mix_partial_kernel<CAP, T, 2>, grid, dim3(kThreads), 0, stream, 1, pdl, a, m_rows, kc,
+                          tokens_per_warp);
       if (err != cudaSuccess) return err;
     }
   }
   if (a.n_tokens > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  hc_mix_finish_kernel<CAP, T><<<static_cast<unsigned>(a.n_tokens), kThreads, 0, stream>>>(a, m_rows, n_splits);
-  return cudaGetLastError();
+  const dim3 grid(static_cast<unsigned>(a.n_tokens));
+  return a.n_tokens <= num_sms()
+             ? launch_ex(hc_mix_finish_kernel<CAP, NX, T, 1>, grid, dim3(kThreads), 0, stream, 1, pdl, a, m_rows,
+                         n_splits)
+             : launch_ex(hc_mix_finish_kernel<CAP, NX, T, 2>, grid, dim3(kThreads), 0, stream, 1, pdl, a, m_rows,
+                         n_splits);
 }
 
 template <typename T>
 cudaError_t dispatch_mix(const HcMixArgs& a, cudaStream_t stream) {
   const int m_rows = a.head ? a.n : (2 + a.n) * a.n;
-  if (m_rows <= 8) return launch_mix<8, T>(a, m_rows, stream);
-  if (m_rows <= 24) return launch_mix<24, T>(a, m_rows, stream);
-  if (m_rows <= 48) return launch_mix<48, T>(a, m_rows, stream);
-  if (m_rows <= 80) return launch_mix<80, T>(a, m_rows, stream);
+  // (2+n)n <= 24 only for n <= 4; hc_head's n rows reach 8
+  if (m_rows <= 8) {
+    return a.n <= 4 ? launch_mix<8, 4, T>(a, m_rows, stream) : launch_mix<8, kMaxN, T>(a, m_rows, stream);
+  }
+  if (m_rows <= 24) return launch_mix<24, 4, T>(a, m_rows, stream);
+  if (m_rows <= 48) return launch_mix<48, kMaxN, T>(a, m_rows, stream);
+  if (m_rows <= 80) return launch_mix<80, kMaxN, T>(a, m_rows, stream);
   return cudaErrorInvalidValue;
 }
 
 }  // namespace
 
-cudaError_t hc_mix_launch(const HcMixArgs& a, cudaStream_t stream) {
-  if (a.n_tokens == 0) return cudaSuccess;
-  if (a.n < 1 || a.n > kMaxN || a.d % 4 != 0) return cudaErrorInvalidValue;
+cudaError_t hc_mix_launch(const HcMixArgs& args, cudaStream_t stream) {
+  if (args.n_tokens == 0) return cudaSuccess;
+  if (args.n < 1 || args.n > kMaxN || args.d % 4 != 0) return cudaErrorInvalidValue;
+  HcMixArgs a = args;
+  const char* env = std::getenv("DSV4RT_MHC_SINKHORN");  // "smem": the shared-memory form at every n (tests)
+  a.sinkhorn_smem = env != nullptr && env[0] == 's';
   switch (a.dtype) {
     case 0: return dispatch_mix<float>(a, stream);
     case 1: return dispatch_mix<__nv_bfloat16>(a, stream);
@@ -382,12 +557,12 @@ cudaError_t hc_post_launch(const HcPostArgs& a, cudaStream_t stream) {
   if (a.n < 1 || a.n > kMaxN || a.d % 4 != 0) return cudaErrorInvalidValue;
   const int64_t blocks = cdiv(a.n_tokens * (a.d / 4), kPostThreads);
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  const dim3 grid(static_cast<unsigned>(blocks)), block(kPostThreads);
   switch (a.dtype) {
-    case 0: hc_post_kernel<float><<<static_cast<unsigned>(blocks), kPostThreads, 0, stream>>>(a); break;
-    case 1: hc_post_kernel<__nv_bfloat16><<<static_cast<unsigned>(blocks), kPostThreads, 0, stream>>>(a); break;
-    default: return cudaErrorInvalidValue;
+    case 0: return launch_ex(hc_post_kernel<float>, grid, block, 0, stream, 1, use_pdl(), a);
+    case 1: return launch_ex(hc_post_kernel<__nv_bfloat16>, grid, block, 0, stream, 1, use_pdl(), a);
   }
-  return cudaGetLastError();
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace dsv4rt

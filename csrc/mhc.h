@@ -22,6 +22,7 @@ struct HcMixArgs {
   int iters;
   int dtype;  // 0 float32, 1 bfloat16
   bool head;
+  bool sinkhorn_smem = false;  // set by the launcher (DSV4RT_MHC_SINKHORN=smem): Sinkhorn in shared memory at every n
   float eps;
   float norm_eps;
 };

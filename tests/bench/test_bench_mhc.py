@@ -1,5 +1,5 @@
 """mHC ops (hc_pre, hc_post, hc_head), CUDA-graph replayed, Flash dims (n = 4, D = 4096, 20 Sinkhorn iterations,
-bf16 streams), decode T = 1, 8 and 64: the native kernels against the references (ops/mhc.py, plain torch) on the
+bf16 streams), decode T = 1, 8 and 64 and a 512-token prefill chunk: the native kernels against the references (ops/mhc.py, plain torch) on the
 same card in the same run.
 
 Each graph holds REPEATS calls of one op on fixed inputs; time per call = median replay time / REPEATS.
@@ -39,7 +39,7 @@ OPS = {"hc_pre": (hc_pre, hc_pre_ref), "hc_post": (hc_post, hc_post_ref), "hc_he
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("n_tok", [1, 8, 64])
+@pytest.mark.parametrize("n_tok", [1, 8, 64, 512])
 @pytest.mark.parametrize("op", list(OPS))
 def test_bench_mhc(benchmark, op, n_tok):
     import dsv4rt.ops

@@ -148,6 +148,46 @@ def test_single_kernel_path(monkeypatch, n_tok):
         _assert_close_dtype(hc_head(*_cuda(args), EPS, NORM_EPS), hc_head_ref(*args, EPS, NORM_EPS), "hc_head")
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_sinkhorn_registers_match_shared_memory(monkeypatch, n):
+    """n <= 4: the Sinkhorn matrix held in registers (a reciprocal a line, then multiplies) against
+    the shared-memory form (DSV4RT_MHC_SINKHORN=smem: an element a lane, IEEE divisions), before and after a split
+    mix: x and post the same bits, comb within a few fp32 ulps (the reference tests bound both against plain torch)."""
+    for d in (128, 1024):
+        dev = _cuda(_pre_inputs(7, n, d, torch.bfloat16))
+        monkeypatch.delenv("DSV4RT_MHC_SINKHORN", raising=False)
+        x, post, comb = hc_pre(*dev, 20, EPS, NORM_EPS)
+        monkeypatch.setenv("DSV4RT_MHC_SINKHORN", "smem")
+        x_s, post_s, comb_s = hc_pre(*dev, 20, EPS, NORM_EPS)
+        assert torch.equal(x, x_s) and torch.equal(post, post_s)
+        torch.testing.assert_close(comb, comb_s, rtol=1e-5, atol=1e-7)
+        assert not torch.equal(comb, torch.zeros_like(comb))
+
+
+@pytest.mark.parametrize("n_tok", [1, 300])
+def test_programmatic_launch_equals_plain(monkeypatch, n_tok):
+    """hc_post -> hc_pre -> hc_head back to back with programmatic dependent launches (the default: each grid may
+    start before the one it reads has finished, and hc_pre's finish grid loads x before its wait) gives the same
+    bits as plain launches (DSV4RT_MHC_PDL=0); 300 tokens take the kernels' two-CTAs-an-SM instances."""
+    d = 4096
+    x, fn, base, scale = _cuda(_pre_inputs(n_tok, 4, d, torch.bfloat16))
+    _, hfn, hbase, hscale = _cuda(_head_inputs(n_tok, 4, d, torch.bfloat16, seed=1))
+    y = torch.randn(n_tok, d, device="cuda").to(torch.bfloat16)
+    post0, comb0 = torch.rand(n_tok, 4, device="cuda"), torch.rand(n_tok, 4, 4, device="cuda")
+
+    def chain():
+        streams = hc_post(x, y, post0, comb0)
+        xc, post, comb = hc_pre(streams, fn, base, scale, 20, EPS, NORM_EPS)
+        streams = hc_post(streams, y + xc, post, comb)
+        return streams, xc, post, comb, hc_head(streams, hfn, hbase, hscale, EPS, NORM_EPS)
+
+    got = chain()
+    monkeypatch.setenv("DSV4RT_MHC_PDL", "0")
+    want = chain()
+    for u, v in zip(got, want):
+        assert torch.equal(u, v)
+
+
 def test_deterministic():
     """Fixed reduction order: two calls give the same bits (the trace tests compare kernel with kernel exactly)."""
     dev = _cuda(_pre_inputs(64, 4, 4096, torch.bfloat16))
