@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 
@@ -178,36 +179,25 @@ __device__ __forceinline__ void sinkhorn_regs(const HcMixArgs& a, int64_t t, con
 #pragma unroll
     for (int k = 0; k < NX; ++k) c[j][k] = __fadd_rn(__fmul_rn(c[j][k], r), eps);
   }
-  auto columns = [&]() {
+  // normalise(std::true_type{}): row j divided by sum_k c[j][k] + eps, for every j; std::false_type{}: the columns
+  auto normalise = [&](auto by_rows) {
+    constexpr bool kRows = decltype(by_rows)::value;
 #pragma unroll
-    for (int k = 0; k < NX; ++k) {
+    for (int l = 0; l < NX; ++l) {
       float sum = 0.0f;
 #pragma unroll
-      for (int j = 0; j < NX; ++j) {
-        if (j < n) sum += c[j][k];
+      for (int i = 0; i < NX; ++i) {
+        if (i < n) sum += kRows ? c[l][i] : c[i][l];
       }
       const float r = __frcp_rn(sum + eps);
 #pragma unroll
-      for (int j = 0; j < NX; ++j) c[j][k] *= r;
+      for (int i = 0; i < NX; ++i) (kRows ? c[l][i] : c[i][l]) *= r;
     }
   };
-  auto rows = [&]() {
-#pragma unroll
-    for (int j = 0; j < NX; ++j) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int k = 0; k < NX; ++k) {
-        if (k < n) sum += c[j][k];
-      }
-      const float r = __frcp_rn(sum + eps);
-#pragma unroll
-      for (int k = 0; k < NX; ++k) c[j][k] *= r;
-    }
-  };
-  columns();
+  normalise(std::false_type{});
   for (int it = 1; it < a.iters; ++it) {
-    rows();
-    columns();
+    normalise(std::true_type{});
+    normalise(std::false_type{});
   }
   if (threadIdx.x == 0) {
 #pragma unroll
