@@ -105,8 +105,8 @@ HEADER = ("| model | batch | context | ms/step | ms/layer | HBM floor ms | floor
 def time_decode(rt: Runtime, handles: list[int], iters: int = 20) -> tuple[float, float, int]:
     """(device ms per replayed decode step, host ms per step for prepare + copies + launch, bucket)."""
     batch = {h: [1] for h in handles}
-    segs = rt._validate(batch)
-    rt._allocate(segs)
+    segs, new_blocks = rt._validate(batch)
+    rt._allocate(segs, new_blocks)
     logits, _ = rt._launch(segs, all_logits=False)  # fills the inputs; positions stay fixed while timing
     torch.cuda.synchronize()
     host = 0.0

@@ -102,8 +102,11 @@ class KVCache(nn.Module):
         self.cfg, self.kv_dtype = cfg, kv_dtype
         self.max_requests, self.max_context = max_requests, max_context
         self.max_blocks = math.ceil(max_context / BLOCK_TOKENS)
-        # compression rates of the layers that keep entries (blocks_needed runs for every request of every step)
+        # compression rates of the layers that keep entries (blocks_needed runs for every request of every step).
+        # When the smallest divides the others (rates divide the power-of-two BLOCK_TOKENS, so they always do), its
+        # entries are the first to fill a block: blocks_needed is one division by it.
         self._rates = tuple(sorted({cfg.ratio(t) for t in cfg.layer_types if t != SLIDING}))
+        self._first_rate = self._rates[0] if self._rates and all(r % self._rates[0] == 0 for r in self._rates) else 0
         self.num_blocks = max_requests * self.max_blocks if num_blocks is None else num_blocks
         self.layers = nn.ModuleList(
             LayerCache(cfg, t, max_requests, self.num_blocks, kv_dtype, dtype, torch.device(device))
@@ -118,6 +121,9 @@ class KVCache(nn.Module):
 
     def blocks_needed(self, n_tokens: int) -> int:
         """Blocks a request holding n_tokens processed tokens needs for its closed compressed entries."""
+        m = self._first_rate
+        if m:
+            return -(-(n_tokens // m) // (BLOCK_TOKENS // m))
         need = 0
         for m in self._rates:  # closed entries n // m, BLOCK_TOKENS // m of them a block
             b = -(-(n_tokens // m) // (BLOCK_TOKENS // m))

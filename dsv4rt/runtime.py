@@ -198,10 +198,12 @@ class Runtime:
         return req
 
     # ------------------------------------------------------------------ prepare
-    def _validate(self, batch: Mapping[int, Sequence[int]]) -> list[Segment]:
+    def _validate(self, batch: Mapping[int, Sequence[int]]) -> tuple[list[Segment], list[int]]:
+        """The step's segments and the blocks each segment's request must be given, every refusal raised before
+        anything is written."""
         if not isinstance(batch, Mapping) or not batch:
             raise RequestError("step() takes a non-empty dict {handle: [token ids]}")
-        segments, need_blocks, seen = [], 0, set()
+        segments, new_blocks, need_blocks, seen = [], [], 0, set()
         vocab, blocks_needed = self.cfg.vocab_size, self.cache.blocks_needed
         for handle, tokens in batch.items():
             req = self._get(handle)
@@ -220,18 +222,21 @@ class Runtime:
             end = req.pos + len(toks)
             if end > self.max_context:
                 raise RequestError(f"request {handle}: {req.pos} + {len(toks)} tokens exceeds max_context={self.max_context}")
-            need_blocks += max(0, blocks_needed(end) - len(req.blocks))
+            n_new = blocks_needed(end) - len(req.blocks)
+            new_blocks.append(n_new)
+            if n_new > 0:
+                need_blocks += n_new
             segments.append(Segment(handle, req.slot, req.pos, toks))
         if need_blocks > self.allocator.num_free:
             raise CapacityError(f"block allocator exhausted: the step needs {need_blocks} new blocks, "
                                 f"{self.allocator.num_free} free of {self.allocator.num_blocks}")
-        return segments
+        return segments, new_blocks
 
-    def _allocate(self, segments: list[Segment]) -> None:
-        for seg in segments:
-            req = self._requests[seg.handle]
-            n_new = self.cache.blocks_needed(seg.start + len(seg.tokens)) - len(req.blocks)
+    def _allocate(self, segments: list[Segment], new_blocks: list[int]) -> None:
+        """Gives each segment's request the new blocks _validate found it needs."""
+        for seg, n_new in zip(segments, new_blocks):
             if n_new > 0:
+                req = self._requests[seg.handle]
                 first = len(req.blocks)
                 req.blocks.extend(self.allocator.allocate(n_new))
                 self.block_table[req.slot, first:len(req.blocks)] = torch.tensor(req.blocks[first:],
@@ -284,8 +289,8 @@ class Runtime:
     def step(self, batch: Mapping[int, Sequence[int]], all_logits: bool = False) -> dict[int, torch.Tensor]:
         """Process new tokens for some live requests. Returns {handle: fp32 logits [n, vocab]} on the CPU,
         n = the request's new tokens (all_logits=True) or 1 (its last position)."""
-        segments = self._validate(batch)  # refusals happen here, before anything is written
-        self._allocate(segments)
+        segments, new_blocks = self._validate(batch)  # refusals happen here, before anything is written
+        self._allocate(segments, new_blocks)
         pieces: dict[int, list[torch.Tensor]] = {s.handle: [] for s in segments}
         for call in split_segments(segments, self.max_tokens):
             self._landed = False

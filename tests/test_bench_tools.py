@@ -13,8 +13,8 @@ def test_distinct_experts_counts_each_moe_layer():
     model = dsv4rt.Model.random(cfg, seed=0, dtype=torch.float32)
     rt = dsv4rt.Runtime(model, max_requests=2, max_context=128)
     handles = [rt.admit_synthetic(64, seed=i) for i in range(2)]
-    segs = rt._validate({h: [1] for h in handles})
-    rt._allocate(segs)
+    segs, new_blocks = rt._validate({h: [1] for h in handles})
+    rt._allocate(segs, new_blocks)
     rt._launch(segs, all_logits=False)  # fills the step inputs as the timed loop does
     seen = bench._distinct_experts(rt, 2)
     assert len(seen) == cfg.num_layers  # one moe_experts call a layer, whatever keyword options it passes

@@ -565,3 +565,19 @@ def test_fill_pads_what_the_previous_fill_wrote():
         want = fresh(segs, all_logits)
         for f in dataclasses.fields(StepInputs):
             assert torch.equal(getattr(buf, f.name), getattr(want, f.name)), f.name
+
+
+def test_blocks_needed_one_division_equals_every_rate():
+    """KVCache.blocks_needed takes one division by the smallest rate when it divides the others; the general form
+    (the largest need over every rate) gives the same counts, here for CSA 4 with HCA 128, 8 and 4 (the last: one
+    rate)."""
+    for csa, hca in ((4, 128), (4, 8), (4, 4)):
+        cfg = dataclasses.replace(dsv4rt.ModelConfig.tiny(), csa_ratio=csa, hca_ratio=hca)
+        cache = dsv4rt.cache.KVCache(cfg, max_requests=1, max_context=4096)
+        assert cache._rates == tuple(sorted({csa, hca})) and cache._first_rate == csa
+        for n in range(0, 3 * BLOCK_TOKENS + 9):
+            want = max(-(-(n // m) // (BLOCK_TOKENS // m)) for m in (csa, hca))
+            assert cache.blocks_needed(n) == want, (csa, hca, n)
+        cache._first_rate = 0  # the general loop
+        assert [cache.blocks_needed(n) for n in range(300)] == [max(-(-(n // m) // (BLOCK_TOKENS // m))
+                                                                   for m in (csa, hca)) for n in range(300)]

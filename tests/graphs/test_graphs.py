@@ -84,8 +84,8 @@ def test_thousand_decode_steps_no_recapture_no_alloc_no_sync(model):
         if step % 37 == 20 and len(live) < 8:
             live[rt.admit()] = 0
         batch = {h: [int(torch.randint(CFG.vocab_size, (1,), generator=g))] for h in live}
-        segments = rt._validate(batch)
-        rt._allocate(segments)
+        segments, new_blocks = rt._validate(batch)
+        rt._allocate(segments, new_blocks)
         torch.cuda.set_sync_debug_mode("error")  # raises on any synchronising call inside the step
         try:
             logits, owners = rt._launch(segments, all_logits=False)

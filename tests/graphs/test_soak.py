@@ -70,8 +70,8 @@ def test_replay_is_bit_identical():
     hs = [rt.admit() for _ in range(6)]
     for i, h in enumerate(hs):
         rt.step({h: list(range(1, 10 + 7 * i))})
-    segs = rt._validate({h: [5] for h in hs})
-    rt._allocate(segs)
+    segs, new_blocks = rt._validate({h: [5] for h in hs})
+    rt._allocate(segs, new_blocks)
     snapshot = [b.clone() for b in rt.cache.buffers()]
     first, _ = rt._launch(segs, all_logits=False)
     first = first.clone()
