@@ -148,8 +148,10 @@ __global__ void __launch_bounds__(kThreads, MINB == 1 ? 1 : 0)
 // 2 * iters - 1 normalisations. The reference's order (softmax over the row + eps, columns, then iters - 1 times rows
 // and columns) and its sums' index order are kept; x * (1 / s) may differ from x / s in the last bit. Lane 0 stores.
 // Measured (H200, Flash dims, one token, finish grid alone): 3.6 / 4.0 / 11.8 us at 1 / 2 / 20 iterations, so an
-// iteration costs about 0.4 us, no less than in the shared-memory form (11.3 us at 20): the chain's latency, not
-// the exchange of sums, sets it; what in the chain does was not measured.
+// iteration costs about 0.4 us; the shared-memory form took 11.3 us at 20 (same build), and an earlier build's
+// shuffle form (an element a lane) 0.3 us less than the shared-memory one. So the exchange of sums is not what
+// costs; the chain's instructions are (what in them was not measured). This form is kept as the base for a
+// shorter reciprocal.
 template <int NX>
 __device__ __forceinline__ void sinkhorn_regs(const HcMixArgs& a, int64_t t, const float* s_mix, float rms) {
   const int n = a.n;
