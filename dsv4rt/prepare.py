@@ -92,26 +92,31 @@ def fill(host: StepInputs, segments: list[Segment], all_logits: bool, max_tokens
     `written`: the (token, logit row) counts the previous fill of these buffers wrote (everything after them is
     padding already); None pads to the end. Returns (bucket, logit rows, [(handle, rows of that handle)] in row
     order, the counts written now)."""
-    ids: list[int] = []
-    pos: list[int] = []
-    slot: list[int] = []
-    start: list[int] = []
-    end: list[int] = []
-    rows: list[int] = []
-    owners: list[tuple[int, int]] = []  # (handle, number of rows) in row order
-    for s in segments:
-        k, t = len(s.tokens), len(ids)
-        ids += s.tokens
-        pos += range(s.start, s.start + k)
-        slot += [s.slot] * k
-        start += [s.start] * k
-        end += [s.start + k] * k
-        if all_logits:
-            rows += range(t, t + k)
-            owners.append((s.handle, k))
-        else:
-            rows.append(t + k - 1)
-            owners.append((s.handle, 1))
+    # decode of 8 or more requests: a token a segment, each field in one pass (on the development CPU, Python 3.11,
+    # 64 segments 122 -> 92 us; below about 8 the passes' fixed cost is more than they save)
+    if len(segments) >= 8 and all(len(s.tokens) == 1 for s in segments):
+        ids = [s.tokens[0] for s in segments]
+        pos = start = [s.start for s in segments]
+        slot = [s.slot for s in segments]
+        end = [p + 1 for p in pos]
+        rows = list(range(len(segments)))
+        owners = [(s.handle, 1) for s in segments]
+    else:
+        ids, pos, slot, start, end, rows = [], [], [], [], [], []
+        owners = []  # (handle, number of rows) in row order
+        for s in segments:
+            k, t = len(s.tokens), len(ids)
+            ids += s.tokens
+            pos += range(s.start, s.start + k)
+            slot += [s.slot] * k
+            start += [s.start] * k
+            end += [s.start + k] * k
+            if all_logits:
+                rows += range(t, t + k)
+                owners.append((s.handle, k))
+            else:
+                rows.append(t + k - 1)
+                owners.append((s.handle, 1))
     n, n_rows = len(ids), len(rows)
     bucket = bucket_for(n, max_tokens)
     # one host tensor for every field, a copy per field; padding only where the previous fill wrote values

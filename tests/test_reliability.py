@@ -567,6 +567,26 @@ def test_fill_pads_what_the_previous_fill_wrote():
             assert torch.equal(getattr(buf, f.name), getattr(want, f.name)), f.name
 
 
+@pytest.mark.parametrize("all_logits", [False, True])
+def test_fill_decode_fields(all_logits):
+    """prepare.fill's one-token-a-segment form (decode) writes each field as its definition says: the segment's
+    token, its position as position and request start, position + 1 as end, its slot, logit row i for segment i."""
+    from dsv4rt.prepare import Segment, fill
+    for n in (3, 12):  # the general form, then the one-pass-a-field form (8 segments or more)
+        segs = [Segment(10 + i, (7 * i) % 13, 3 * i + 5, [100 + i]) for i in range(n)]
+        buf = StepInputs.allocate(16, 16, 2, 9, "cpu")
+        bucket, n_rows, owners, written = fill(buf, segs, all_logits, 16, 16)
+        assert (bucket, written, owners) == (4 if n == 3 else 16, (n, n), [(10 + i, 1) for i in range(n)])
+        assert n_rows == bucket
+        assert buf.token_ids[:n].tolist() == [100 + i for i in range(n)]
+        assert buf.positions[:n].tolist() == buf.start_pos[:n].tolist() == [3 * i + 5 for i in range(n)]
+        assert buf.end_pos[:n].tolist() == [3 * i + 6 for i in range(n)]
+        assert buf.req_slot[:n].tolist() == [(7 * i) % 13 for i in range(n)]
+        assert buf.logit_rows[:n].tolist() == list(range(n))
+        assert buf.req_slot[n:].tolist() == [dsv4rt.prepare.PAD_SLOT] * (16 - n)
+        assert buf.token_ids[n:].tolist() == [0] * (16 - n)
+
+
 def test_blocks_needed_one_division_equals_every_rate():
     """KVCache.blocks_needed takes one division by the smallest rate when it divides the others; the general form
     (the largest need over every rate) gives the same counts, here for CSA 4 with HCA 128, 8 and 4 (the last: one
