@@ -66,3 +66,34 @@ def test_bench_mhc_summary(benchmark):
         print(f"{op:<8} {n_tok:>4} {us:10.2f} {ref_us:13.2f} {ref_us / us:7.1f}x")
     benchmark.extra_info.update(results={f"{k[0]}_T{k[1]}": v for k, v in RESULTS.items()})
     benchmark.pedantic(lambda: torch.cuda.synchronize(), rounds=1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("iters", [1, 2, 20])
+def test_bench_mhc_kernels(benchmark, monkeypatch, iters):
+    """Device time of each mHC grid of hc_pre and hc_head at one token (torch.profiler on eager calls, programmatic
+    launches off, so a grid's time is its own), hc_pre at 1, 2 and 20 Sinkhorn iterations: the difference is the
+    Sinkhorn chain's cost."""
+    from torch.profiler import ProfilerActivity, profile
+    monkeypatch.setenv("DSV4RT_MHC_PDL", "0")
+    pre, head = _args("hc_pre", 1), _args("hc_head", 1)
+    pre = pre[:4] + (iters,) + pre[5:]
+    for _ in range(5):
+        hc_pre(*pre), hc_head(*head)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            hc_pre(*pre)
+            hc_head(*head)
+        torch.cuda.synchronize()
+    times: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and "hc_mix" in e.name:
+            key = ("partial" if "partial" in e.name else "finish") + (" (hc_pre)" if "<24" in e.name else " (hc_head)")
+            times.setdefault(key, []).append(e.device_time_total)
+    line = ", ".join(f"{k} {sum(v) / len(v):.2f} us" for k, v in sorted(times.items()))
+    print(f"\nT=1, {iters} Sinkhorn iterations: {line} on {torch.cuda.get_device_name()}")
+    assert len(times) == 4, f"expected the partial and finish grids of both ops, got {sorted(times)}"
+    benchmark.extra_info.update(device=torch.cuda.get_device_name(), iters=iters,
+                                us={k: sum(v) / len(v) for k, v in times.items()})
+    benchmark.pedantic(lambda: (hc_pre(*pre), torch.cuda.synchronize()), rounds=5, warmup_rounds=1)
