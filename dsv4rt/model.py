@@ -14,7 +14,8 @@ from torch import Tensor, nn
 
 from dsv4rt.ops import attention, compressor, indexer, mhc, moe, swa
 from dsv4rt.ops.kv_quant import QUANT_NONE, hadamard, idx_fp4_fake_quant, kv_fp8_fake_quant
-from dsv4rt.ops.rope import rope_rotate, rope_table
+from dsv4rt.ops.norm import head_norm_rope, rms_norm, rope_rotate
+from dsv4rt.ops.rope import rope_table
 
 from .cache import KVCache, LayerCache
 from .config import CSA, HASH_MOE, SLIDING, ModelConfig
@@ -29,11 +30,6 @@ class StepTensors(NamedTuple):
     end_pos: Tensor      # [T] int32, one past the last position of the token's request in this step
     block_table: Tensor  # [S+1, MB] int32
     logit_rows: Tensor   # [R] int64, token rows whose logits are returned
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    x32 = x.float()
-    return (weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -120,10 +116,9 @@ class Attention(nn.Module):
         n_tok, eps, rd = x.shape[0], cfg.norm_eps, cfg.rope_dim
         qr = rms_norm(F.linear(x, self.q_a_proj.weight), self.q_a_norm.weight, eps)
         q = F.linear(qr, self.q_b_proj.weight).view(n_tok, cfg.num_heads, cfg.head_dim)
-        q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + eps).to(q.dtype)
-        q = rope_rotate(q, st.positions, inv_freq, table=rot)
+        q = head_norm_rope(q, *rot, eps)  # per-head RMSNorm without weight, then RoPE
         kv = rms_norm(F.linear(x, self.kv_proj.weight), self.kv_norm.weight, eps)
-        kv = rope_rotate(kv, st.positions, inv_freq, table=rot)
+        kv = rope_rotate(kv, *rot)
         if lc.main_quant != QUANT_NONE:  # official numerics: the kv row is FP8 from here on
             kv = kv_fp8_fake_quant(kv, rd)
 
@@ -143,7 +138,7 @@ class Attention(nn.Module):
                     lc.idx_score_state, lc.idx_entries, lc.idx_quant, inv_freq, st.req_slot, st.positions,
                     st.start_pos, st.end_pos, st.block_table, comp.ratio, comp.overlap, eps, x.dtype)
                 qi = F.linear(qr, ix.q_b_proj.weight).view(n_tok, ix.n_heads, ix.head_dim)
-                qi = rope_rotate(qi, st.positions, inv_freq, table=rot)
+                qi = rope_rotate(qi, *rot)
                 if lc.idx_quant != QUANT_NONE:  # official: Hadamard + FP4 on the indexer query too
                     qi = idx_fp4_fake_quant(hadamard(qi)).to(qi.dtype)
                 w = F.linear(x32, ix.scorer.weights_proj.weight) * (ix.n_heads**-0.5 * ix.head_dim**-0.5)
@@ -153,7 +148,7 @@ class Attention(nn.Module):
         o = attention.sparse_attn(q, kv, lc.swa, entries, entry_idx, self.sinks, st.req_slot, st.positions,
                                   st.start_pos, st.block_table, ratio, rd, cfg.head_dim**-0.5)
         swa.swa_cache_write(kv, lc.swa, st.req_slot, st.positions, st.end_pos, rd)
-        o = rope_rotate(o, st.positions, inv_freq, inverse=True, table=rot)
+        o = rope_rotate(o, *rot, inverse=True)
         g = cfg.o_groups
         o = o.reshape(n_tok, g, -1)
         w_a = self.o_a_proj.weight.view(g, cfg.o_lora_rank, -1)

@@ -16,12 +16,13 @@ if __name__ != "dsv4rt.ops":  # a second import name would register every schema
 
 import torch
 
-from . import attention, compressor, indexer, kv_quant, mhc, moe, rope, swa  # noqa: F401  (registers the ops)
+from . import attention, compressor, indexer, kv_quant, mhc, moe, norm, rope, swa  # noqa: F401  (registers the ops)
 
 # The ops the model's forward calls (what a "native" step needs) ...
 STEP_OPS = (
     "swa_cache_write", "compressor_update", "compressor_update_pair", "indexer_topk", "sparse_attn",
     "moe_gate", "moe_route", "moe_hash_route", "moe_experts", "hc_pre", "hc_post", "hc_head",
+    "rms_norm", "rope_rotate", "head_norm_rope",
 )
 # ... and every op of the namespace: the standalone FP8/FP4 row codecs serve tests and tools (the cache-write
 # kernels quantise inside their own launch).

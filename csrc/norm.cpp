@@ -1,0 +1,95 @@
+// Torch binding of the row-norm and rotation family: checks, then csrc/norm.cu on the current stream.
+#include <string>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "binding.h"
+#include "norm.h"
+
+namespace {
+
+using dsv4rt::num;
+
+// "[a, b, ...]" (check messages stream no integers: csrc/binding.h)
+std::string shape_str(at::IntArrayRef s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + num(s[i]);
+  return r + "]";
+}
+
+int dtype_code(const char* op, at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return 0;
+    case at::kBFloat16: return 1;
+    case at::kHalf: return 2;
+    default: TORCH_CHECK(false, op, ": x must be float32, bfloat16 or float16, got ", c10::toString(t));
+  }
+}
+
+void check_table(const char* op, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() >= 2 && x.is_contiguous(), op, ": x must be contiguous [T, ..., D]");
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous(), op,
+                ": cos and sin must be contiguous float32 [T, rope_dim / 2]");
+    TORCH_CHECK(t->device() == x.device(), op, ": tensors on different devices");
+  }
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == x.size(0), op, ": cos and sin must be [T, rope_dim / 2] "
+              "with T = x.size(0) = ", num(x.size(0)), ", got ", shape_str(cos.sizes()), " and ",
+              shape_str(sin.sizes()));
+  TORCH_CHECK(2 * cos.size(1) <= x.size(-1), op, ": rope_dim ", num(2 * cos.size(1)), " exceeds the row width ",
+              num(x.size(-1)));
+}
+
+at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int code = dtype_code("rms_norm", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.is_contiguous(), "rms_norm: x must be contiguous");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1 && weight.is_contiguous() &&
+                  weight.size(0) == x.size(-1),
+              "rms_norm: weight must be contiguous float32 [D] with D = x.size(-1) = ", num(x.size(-1)), ", got ",
+              c10::toString(weight.scalar_type()), " ", shape_str(weight.sizes()));
+  TORCH_CHECK(weight.device() == x.device(), "rms_norm: tensors on different devices");
+  at::Tensor out = at::empty_like(x);
+  const int64_t d = x.size(-1);
+  if (x.numel() == 0) return out;
+  const c10::cuda::CUDAGuard guard(x.device());
+  dsv4rt::rms_norm_launch(x.data_ptr(), weight.data_ptr<float>(), out.data_ptr(), code, x.numel() / d, d,
+                          static_cast<float>(eps), c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor rope_rows(const char* op, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool norm,
+                     bool inverse, double eps) {
+  const int code = dtype_code(op, x.scalar_type());
+  check_table(op, x, cos, sin);
+  at::Tensor out = at::empty_like(x);
+  if (x.numel() == 0) return out;
+  const int64_t tokens = x.size(0), d = x.size(-1);
+  const c10::cuda::CUDAGuard guard(x.device());
+  dsv4rt::rope_rows_launch(x.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), out.data_ptr(), code, tokens,
+                           x.numel() / (tokens * d), d, cos.size(1), norm, inverse, static_cast<float>(eps),
+                           c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor rope_rotate_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool inverse) {
+  return rope_rows("rope_rotate", x, cos, sin, false, inverse, 0.0);
+}
+
+at::Tensor head_norm_rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, double eps) {
+  TORCH_CHECK(x.dim() == 3, "head_norm_rope: x must be [T, H, D], got ", shape_str(x.sizes()));
+  return rope_rows("head_norm_rope", x, cos, sin, true, false, eps);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dsv4rt, CUDA, m) {
+  m.impl("rms_norm", &rms_norm_cuda);
+  m.impl("rope_rotate", &rope_rotate_cuda);
+  m.impl("head_norm_rope", &head_norm_rope_cuda);
+}

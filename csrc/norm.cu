@@ -1,0 +1,266 @@
+// Row-norm and rotation family (ops/norm.py): the RMSNorms and RoPE rotations between the step's other ops, one
+// launch each, where plain torch takes eight launches for an RMSNorm and about ten for a rotation.
+//
+// rms_norm_kernel: one CTA a row (grid-stride over rows), its threads over 16-byte groups of the row when the row
+// is a whole number of aligned groups, else over elements. The sum of squares (each square rounded to fp32, as
+// x.pow(2)) in a fixed order: each thread's groups in turn, a warp butterfly, then the warps in index order, so a
+// result is deterministic; mean = sum * (1 / d), as torch's mean scales its sum. Then the reference's products in its
+// order, w * (x * r), each rounded to fp32 (no fused multiply-add), and the result rounded to x's dtype.
+// rope_rows_kernel: one warp a (token, head) row, eight rows a CTA. With `NORM`, the row is first scaled by its
+// RMS factor rounded to x's dtype, the product rounded to x's dtype too (the model's q * rsqrt(...).to(q.dtype)).
+// The channels before the rotated tail are copied; each pair (a, b) of the tail becomes (a cos - b sin,
+// b cos + a sin), inverse (a cos + b sin, b cos - a sin), every product and sum rounded to fp32 as the reference's
+// separate torch ops round them, so a rotation equals the reference bit for bit.
+// No scratch, no atomics; grids depend on shapes only (capture-safe); plain launches (stream order).
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "launch.cuh"
+#include "norm.h"
+
+namespace dsv4rt {
+namespace {
+
+constexpr int kNormThreads = 256;
+constexpr int kRowWarps = 8;  // rope_rows_kernel: rows (warps) a CTA
+
+template <typename T>
+__device__ __forceinline__ float to_f(T v);
+template <>
+__device__ __forceinline__ float to_f<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_f(float v);
+template <>
+__device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+
+// v rounded to T and back (the value a T tensor holds)
+template <typename T>
+__device__ __forceinline__ float round_to(float v) { return to_f<T>(from_f<T>(v)); }
+
+// V consecutive elements at p as floats, and back; V > 1: one 16-byte access (p aligned)
+template <typename T, int V>
+__device__ __forceinline__ void load_v(const T* p, float (&f)[V]) {
+  if constexpr (V == 1) {
+    f[0] = to_f<T>(*p);
+  } else if constexpr (std::is_same_v<T, float>) {
+    const float4 q = *reinterpret_cast<const float4*>(p);
+    f[0] = q.x, f[1] = q.y, f[2] = q.z, f[3] = q.w;
+  } else {
+    static_assert(V * sizeof(T) == 16, "a group is 16 bytes");
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int i = 0; i < V; ++i) f[i] = to_f<T>(e[i]);
+  }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_v(T* p, const float (&f)[V]) {
+  if constexpr (V == 1) {
+    *p = from_f<T>(f[0]);
+  } else if constexpr (std::is_same_v<T, float>) {
+    *reinterpret_cast<float4*>(p) = make_float4(f[0], f[1], f[2], f[3]);
+  } else {
+    uint4 u;
+    T* e = reinterpret_cast<T*>(&u);
+#pragma unroll
+    for (int i = 0; i < V; ++i) e[i] = from_f<T>(f[i]);
+    *reinterpret_cast<uint4*>(p) = u;
+  }
+}
+
+// V fp32 weights at p (V a multiple of 4: float4 accesses, p 16-byte aligned)
+template <int V>
+__device__ __forceinline__ void load_w(const float* p, float (&f)[V]) {
+  if constexpr (V % 4 == 0) {
+#pragma unroll
+    for (int k = 0; k < V / 4; ++k) {
+      const float4 q = reinterpret_cast<const float4*>(p)[k];
+      f[4 * k] = q.x, f[4 * k + 1] = q.y, f[4 * k + 2] = q.z, f[4 * k + 3] = q.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) f[i] = p[i];
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;  // the butterfly leaves the same bits in every lane
+}
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restrict__ x, const float* __restrict__ w,
+                                                                T* __restrict__ out, int64_t rows, int64_t d,
+                                                                float inv_d, float eps) {
+  __shared__ float s_part[kNormThreads / 32];
+  const int64_t groups = d / V;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll 1
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* xr = x + r * d;
+    float acc = 0.0f;
+#pragma unroll 2
+    for (int64_t g = threadIdx.x; g < groups; g += kNormThreads) {
+      float f[V];
+      load_v<T, V>(xr + g * V, f);
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc = __fadd_rn(acc, __fmul_rn(f[i], f[i]));
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) s_part[warp] = acc;
+    __syncthreads();
+    float total = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kNormThreads / 32; ++i) total += s_part[i];
+    const float rr = rsqrtf(__fadd_rn(__fmul_rn(total, inv_d), eps));
+    __syncthreads();  // s_part is the next row's
+    T* orow = out + r * d;
+#pragma unroll 2
+    for (int64_t g = threadIdx.x; g < groups; g += kNormThreads) {
+      float f[V], wv[V];
+      load_v<T, V>(xr + g * V, f);
+      load_w<V>(w + g * V, wv);
+#pragma unroll
+      for (int i = 0; i < V; ++i) f[i] = __fmul_rn(wv[i], __fmul_rn(f[i], rr));
+      store_v<T, V>(orow + g * V, f);
+    }
+  }
+}
+
+template <typename T, int V, bool NORM>
+__global__ void __launch_bounds__(kRowWarps * 32) rope_rows_kernel(const T* __restrict__ x,
+                                                                   const float* __restrict__ cs,
+                                                                   const float* __restrict__ sn, T* __restrict__ out,
+                                                                   int64_t tokens, int64_t heads, int64_t d,
+                                                                   int64_t half, bool inverse, float inv_d,
+                                                                   float eps) {
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = tokens * heads, tail = d - 2 * half;
+#pragma unroll 1
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32; row < rows;
+       row += static_cast<int64_t>(gridDim.x) * kRowWarps) {
+    const int64_t t = row / heads;
+    const T* xr = x + row * d;
+    T* orow = out + row * d;
+    float scale = 1.0f;
+    if constexpr (NORM) {
+      float acc = 0.0f;
+#pragma unroll 2
+      for (int64_t g = lane; g < d / V; g += 32) {
+        float f[V];
+        load_v<T, V>(xr + g * V, f);
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc = __fadd_rn(acc, __fmul_rn(f[i], f[i]));
+      }
+      scale = round_to<T>(rsqrtf(__fadd_rn(__fmul_rn(warp_sum(acc), inv_d), eps)));
+    }
+#pragma unroll 2
+    for (int64_t g = lane; g < tail / V; g += 32) {
+      float f[V];
+      load_v<T, V>(xr + g * V, f);
+      if constexpr (NORM) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) f[i] = __fmul_rn(f[i], scale);
+      }
+      store_v<T, V>(orow + g * V, f);
+    }
+    const float* cr = cs + t * half;
+    const float* sr = sn + t * half;
+    for (int64_t j = lane; j < half; j += 32) {
+      float a = to_f<T>(xr[tail + 2 * j]), b = to_f<T>(xr[tail + 2 * j + 1]);
+      if constexpr (NORM) a = round_to<T>(__fmul_rn(a, scale)), b = round_to<T>(__fmul_rn(b, scale));
+      const float c = cr[j], s = sr[j];
+      const float ac = __fmul_rn(a, c), bs = __fmul_rn(b, s), bc = __fmul_rn(b, c), as = __fmul_rn(a, s);
+      orow[tail + 2 * j] = from_f<T>(inverse ? __fadd_rn(ac, bs) : __fsub_rn(ac, bs));
+      orow[tail + 2 * j + 1] = from_f<T>(inverse ? __fsub_rn(bc, as) : __fadd_rn(bc, as));
+    }
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <typename T>
+void rms_norm_typed(const void* x, const float* w, void* out, int64_t rows, int64_t d, float eps,
+                    cudaStream_t stream) {
+  constexpr int kV = 16 / sizeof(T);
+  const bool vec = d % kV == 0 && aligned16(x) && aligned16(w) && aligned16(out);
+  const int grid = static_cast<int>(rows < 8LL * num_sms() ? rows : 8LL * num_sms());
+  const float inv_d = 1.0f / static_cast<float>(d);
+  const T* xt = static_cast<const T*>(x);
+  T* ot = static_cast<T*>(out);
+  if (vec) {
+    rms_norm_kernel<T, kV><<<grid, kNormThreads, 0, stream>>>(xt, w, ot, rows, d, inv_d, eps);
+  } else {
+    rms_norm_kernel<T, 1><<<grid, kNormThreads, 0, stream>>>(xt, w, ot, rows, d, inv_d, eps);
+  }
+}
+
+template <typename T, int V>
+void rope_rows_norm(bool norm, const T* x, const float* cs, const float* sn, T* out, int64_t tokens, int64_t heads,
+                    int64_t d, int64_t half, bool inverse, float eps, int grid, cudaStream_t stream) {
+  const float inv_d = 1.0f / static_cast<float>(d);
+  if (norm) {
+    rope_rows_kernel<T, V, true><<<grid, kRowWarps * 32, 0, stream>>>(x, cs, sn, out, tokens, heads, d, half,
+                                                                      inverse, inv_d, eps);
+  } else {
+    rope_rows_kernel<T, V, false><<<grid, kRowWarps * 32, 0, stream>>>(x, cs, sn, out, tokens, heads, d, half,
+                                                                       inverse, inv_d, eps);
+  }
+}
+
+template <typename T>
+void rope_rows_typed(const void* x, const float* cs, const float* sn, void* out, int64_t tokens, int64_t heads,
+                     int64_t d, int64_t half, bool norm, bool inverse, float eps, cudaStream_t stream) {
+  constexpr int kV = 16 / sizeof(T);
+  const int64_t rows = tokens * heads, blocks = (rows + kRowWarps - 1) / kRowWarps;
+  const int grid = static_cast<int>(blocks < 16LL * num_sms() ? blocks : 16LL * num_sms());
+  const bool vec = d % kV == 0 && (d - 2 * half) % kV == 0 && aligned16(x) && aligned16(out);
+  const T* xt = static_cast<const T*>(x);
+  T* ot = static_cast<T*>(out);
+  if (vec) {
+    rope_rows_norm<T, kV>(norm, xt, cs, sn, ot, tokens, heads, d, half, inverse, eps, grid, stream);
+  } else {
+    rope_rows_norm<T, 1>(norm, xt, cs, sn, ot, tokens, heads, d, half, inverse, eps, grid, stream);
+  }
+}
+
+}  // namespace
+
+void rms_norm_launch(const void* x, const float* w, void* out, int dtype, int64_t rows, int64_t d, float eps,
+                     cudaStream_t stream) {
+  if (rows <= 0 || d <= 0) return;
+  switch (dtype) {
+    case 0: rms_norm_typed<float>(x, w, out, rows, d, eps, stream); break;
+    case 1: rms_norm_typed<__nv_bfloat16>(x, w, out, rows, d, eps, stream); break;
+    default: rms_norm_typed<__half>(x, w, out, rows, d, eps, stream); break;
+  }
+}
+
+void rope_rows_launch(const void* x, const float* cos, const float* sin, void* out, int dtype, int64_t tokens,
+                      int64_t heads, int64_t d, int64_t half, bool norm, bool inverse, float eps,
+                      cudaStream_t stream) {
+  if (tokens <= 0 || heads <= 0 || d <= 0) return;
+  switch (dtype) {
+    case 0: rope_rows_typed<float>(x, cos, sin, out, tokens, heads, d, half, norm, inverse, eps, stream); break;
+    case 1:
+      rope_rows_typed<__nv_bfloat16>(x, cos, sin, out, tokens, heads, d, half, norm, inverse, eps, stream);
+      break;
+    default: rope_rows_typed<__half>(x, cos, sin, out, tokens, heads, d, half, norm, inverse, eps, stream); break;
+  }
+}
+
+}  // namespace dsv4rt
