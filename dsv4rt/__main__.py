@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch.compile backend (aot_eager_functional: without writing the caches in place, for "
                         "comparison)")
     b.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="print the N kernels taking the most device time in each timed step")
+                   help="print the N kernels taking the most device time in each timed step, then the step's "
+                        "kernel time by group (each dsv4rt op family, GEMMs, plain torch ops, copies)")
     b.add_argument("--max-context", type=int, default=0, metavar="N",
                    help="the runtime's max_context (block-table width) for every context run; default: the context "
                         "+ 64. The block pool still holds only what the requests use")

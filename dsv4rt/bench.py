@@ -5,7 +5,9 @@ floor is measured in the same run, and the HF baseline runs the same weights on 
 """
 from __future__ import annotations
 
+import functools
 import math
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from dsv4rt import ops
 from dsv4rt.ops import kernel_coverage, moe
 
 from .config import BLOCK_TOKENS, CSA, HCA, SLIDING, ModelConfig
@@ -125,9 +128,33 @@ def time_decode(rt: Runtime, handles: list[int], iters: int = 20) -> tuple[float
     return start.elapsed_time(end) / iters, host * 1e3 / iters, key[0]
 
 
+@functools.cache
+def csrc_kernels() -> dict[str, str]:
+    """Kernel name -> op family, from the `*_kernel` names in csrc/<family>.cu (empty without the sources)."""
+    names: dict[str, str] = {}
+    for path in sorted(ops.CSRC.glob("*.cu")):
+        for name in re.findall(r"\b(\w+_kernel)\b", path.read_text()):
+            names.setdefault(name, path.stem)
+    return names
+
+
+def kernel_group(name: str) -> str:
+    """The group a profiled kernel belongs to: "dsv4rt <family>" for a csrc/ kernel, "GEMM (cuBLAS/CUTLASS)",
+    "copy / memset", or "torch (plain ops)" for the elementwise, reduction and indexing kernels between the ops."""
+    m = re.search(r"dsv4rt::(?:\(anonymous namespace\)::)?(\w+)", name)
+    if m:
+        return f"dsv4rt {csrc_kernels().get(m.group(1), 'other')}"
+    low = name.lower()
+    if any(s in low for s in ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas")):
+        return "GEMM (cuBLAS/CUTLASS)"
+    if "memcpy" in low or "memset" in low:
+        return "copy / memset"
+    return "torch (plain ops)"
+
+
 def profile_replay(rt: Runtime, bucket: int, top: int = 20, iters: int = 3, out=sys.stderr) -> None:
     """Print the `top` kernels of one replayed decode step of `bucket` tokens by device time (torch.profiler over
-    `iters` replays), with the number of kernels per step."""
+    `iters` replays), with the number of kernels per step, then the step's kernel time by group (`kernel_group`)."""
     from torch.profiler import ProfilerActivity, profile
 
     graph = rt.runner.graphs[min(k for k in rt.runner.graphs if k[0] >= bucket and not k[1])]
@@ -139,6 +166,16 @@ def profile_replay(rt: Runtime, bucket: int, top: int = 20, iters: int = 3, out=
     kernels = sum(e.count for e in stats if e.device_time_total > 0) / iters
     print(f"profile of one replayed step (bucket {bucket}): {kernels:.0f} kernels", file=out)
     print(stats.table(sort_by="device_time_total", row_limit=top), file=out)
+    groups: dict[str, list[float]] = {}
+    for e in stats:
+        if e.device_time_total > 0:
+            g = groups.setdefault(kernel_group(e.key), [0.0, 0.0])
+            g[0] += e.count / iters
+            g[1] += e.device_time_total / iters
+    print("kernel time a step by group (us, kernels; kernels that overlap under programmatic launches each count "
+          "their whole span):", file=out)
+    for name, (n, us) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {name:<24} {us:9.1f} us {n:6.0f}", file=out)
 
 
 def hf_decode_ms(model: Model, batch: int, context: int, iters: int = 5) -> Optional[float]:

@@ -35,3 +35,25 @@ def test_hf_baseline_out_of_memory_gives_no_number(monkeypatch, capsys):
     assert "HF eager baseline skipped at batch 8, context 64: out of device memory" in err
     row = bench.Row("tiny", 8, 64, 1.0, 0.25, 0.5, None, 0.1)
     assert "| - | - |" in row.markdown()
+
+
+def test_profile_groups_name_each_kernel_family():
+    """`--profile` sums a step's kernel time by group: every csrc/ family's kernels are found by name (the
+    `*_kernel` convention), and profiler names (as torch.profiler prints them on an H200) land in their groups."""
+    from dsv4rt import ops
+    assert set(bench.csrc_kernels().values()) == {p.stem for p in ops.CSRC.glob("*.cu")}
+    cases = {
+        "void dsv4rt::(anonymous namespace)::hc_mix_finish_kernel<24, 4, __nv_bfloat16, 1>(dsv4rt::HcMixArgs, int, int)":
+            "dsv4rt mhc",
+        "dsv4rt::(anonymous namespace)::moe_hash_route_kernel(float const*, void const*, bool, long)": "dsv4rt moe",
+        "void dsv4rt::(anonymous namespace)::rope_rows_kernel<__nv_bfloat16, 8, true>(__nv_bfloat16 const*)":
+            "dsv4rt norm",
+        "void dsv4rt::(anonymous namespace)::sparse_attn_combine_kernel<__nv_bfloat16>(dsv4rt::SparseAttnArgs)":
+            "dsv4rt attention",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float>>>":
+            "torch (plain ops)",
+        "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": "GEMM (cuBLAS/CUTLASS)",
+        "Memcpy DtoD (Device -> Device)": "copy / memset",
+    }
+    for name, group in cases.items():
+        assert bench.kernel_group(name) == group, name
