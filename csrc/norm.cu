@@ -15,9 +15,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
+#include "kv_quant.cuh"
 #include "launch.cuh"
 #include "norm.h"
 
@@ -27,30 +25,11 @@ namespace {
 constexpr int kNormThreads = 256;
 constexpr int kRowWarps = 8;  // rope_rows_kernel: rows (warps) a CTA
 
-// a T value as float, and a float rounded to T (round to nearest even)
-template <typename T>
-__device__ __forceinline__ float to_f(T v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(v);
-  else return __half2float(v);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_f(float v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(v);
-  else return __float2half_rn(v);
-}
-
-// v rounded to T and back (the value a T tensor holds)
-template <typename T>
-__device__ __forceinline__ float round_to(float v) { return to_f<T>(from_f<T>(v)); }
-
 // V consecutive elements at p as floats, and back; V > 1: one 16-byte access (p aligned)
 template <typename T, int V>
 __device__ __forceinline__ void load_v(const T* p, float (&f)[V]) {
   if constexpr (V == 1) {
-    f[0] = to_f<T>(*p);
+    f[0] = Num<T>::load(*p);
   } else if constexpr (std::is_same_v<T, float>) {
     const float4 q = *reinterpret_cast<const float4*>(p);
     f[0] = q.x, f[1] = q.y, f[2] = q.z, f[3] = q.w;
@@ -59,21 +38,21 @@ __device__ __forceinline__ void load_v(const T* p, float (&f)[V]) {
     const uint4 u = *reinterpret_cast<const uint4*>(p);
     const T* e = reinterpret_cast<const T*>(&u);
 #pragma unroll
-    for (int i = 0; i < V; ++i) f[i] = to_f<T>(e[i]);
+    for (int i = 0; i < V; ++i) f[i] = Num<T>::load(e[i]);
   }
 }
 
 template <typename T, int V>
 __device__ __forceinline__ void store_v(T* p, const float (&f)[V]) {
   if constexpr (V == 1) {
-    *p = from_f<T>(f[0]);
+    *p = Num<T>::store(f[0]);
   } else if constexpr (std::is_same_v<T, float>) {
     *reinterpret_cast<float4*>(p) = make_float4(f[0], f[1], f[2], f[3]);
   } else {
     uint4 u;
     T* e = reinterpret_cast<T*>(&u);
 #pragma unroll
-    for (int i = 0; i < V; ++i) e[i] = from_f<T>(f[i]);
+    for (int i = 0; i < V; ++i) e[i] = Num<T>::store(f[i]);
     *reinterpret_cast<uint4*>(p) = u;
   }
 }
@@ -91,12 +70,6 @@ __device__ __forceinline__ void load_w(const float* p, float (&f)[V]) {
 #pragma unroll
     for (int i = 0; i < V; ++i) f[i] = p[i];
   }
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;  // the butterfly leaves the same bits in every lane
 }
 
 template <typename T, int V>
@@ -178,12 +151,12 @@ __global__ void __launch_bounds__(kRowWarps * 32) rope_rows_kernel(const T* __re
     const float* cr = cs + t * half;
     const float* sr = sn + t * half;
     for (int64_t j = lane; j < half; j += 32) {
-      float a = to_f<T>(xr[tail + 2 * j]), b = to_f<T>(xr[tail + 2 * j + 1]);
+      float a = Num<T>::load(xr[tail + 2 * j]), b = Num<T>::load(xr[tail + 2 * j + 1]);
       if constexpr (NORM) a = round_to<T>(__fmul_rn(a, scale)), b = round_to<T>(__fmul_rn(b, scale));
       const float c = cr[j], s = sr[j];
       const float ac = __fmul_rn(a, c), bs = __fmul_rn(b, s), bc = __fmul_rn(b, c), as = __fmul_rn(a, s);
-      orow[tail + 2 * j] = from_f<T>(inverse ? __fadd_rn(ac, bs) : __fsub_rn(ac, bs));
-      orow[tail + 2 * j + 1] = from_f<T>(inverse ? __fsub_rn(bc, as) : __fadd_rn(bc, as));
+      orow[tail + 2 * j] = Num<T>::store(inverse ? __fadd_rn(ac, bs) : __fsub_rn(ac, bs));
+      orow[tail + 2 * j + 1] = Num<T>::store(inverse ? __fsub_rn(bc, as) : __fadd_rn(bc, as));
     }
   }
 }
