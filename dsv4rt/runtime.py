@@ -70,9 +70,10 @@ class Runtime:
         or any backend torch.compile takes; refused (ValueError) when the step runs eagerly. Default: "inductor"
         for compile=True, "aot_eager" for graphs: on an H200, Inductor's first start in a fresh environment took
         350 s for 3 buckets of the tiny model (a second start, which reuses the compile cache, 9.2 s); aot_eager
-        captured 7 buckets of a 4-layer Flash slice in 18.7 s. Inductor's replayed decode step is shorter (the same
-        slice on an H200: 1.48 against 2.19 ms at batch 1, 2.75 against 3.71 ms at batch 64) after 123 s of compile
-        and capture against 23 s.
+        captured 7 buckets of a 4-layer Flash slice in 18.7 s. Before the norm family's ops (ops/norm.py) took the
+        RMSNorms and rotations, Inductor's replayed decode step was shorter (the same slice on an H200: 1.48
+        against 2.19 ms at batch 1, 2.75 against 3.71 ms at batch 64) after 123 s of compile and capture against
+        23 s; with them the two backends have not been compared again (docs/benchmarks.md).
     kernels: on CUDA, "auto" builds/loads the csrc/ kernels and falls back to the reference ops (with a
         message) when that fails; "native" refuses to start unless every op the step calls
         (`dsv4rt.ops.STEP_OPS`) has a native kernel;
