@@ -1,4 +1,5 @@
 // Torch binding of the row-norm and rotation family: checks, then csrc/norm.cu on the current stream.
+#include <cmath>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -86,10 +87,43 @@ at::Tensor head_norm_rope_cuda(const at::Tensor& x, const at::Tensor& cos, const
   return rope_rows("head_norm_rope", x, cos, sin, true, false, eps);
 }
 
+at::Tensor kv_fp8_fake_quant_cuda(const at::Tensor& x, int64_t rope_dim) {
+  const int code = dtype_code("kv_fp8_fake_quant", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.is_contiguous(), "kv_fp8_fake_quant: x must be contiguous");
+  const int64_t d = x.size(-1), nope = d - rope_dim;
+  TORCH_CHECK(rope_dim >= 0 && nope > 0 && nope % 64 == 0, "kv_fp8_fake_quant: width - rope_dim must be a positive "
+              "multiple of 64, got width ", num(d), " and rope_dim ", num(rope_dim));
+  at::Tensor out = at::empty_like(x);
+  if (x.numel() == 0) return out;
+  const c10::cuda::CUDAGuard guard(x.device());
+  dsv4rt::kv_fp8_fake_quant_launch(x.data_ptr(), out.data_ptr(), code, x.numel() / d, d, rope_dim,
+                                   c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor idx_fp4_hadamard_fake_quant_cuda(const at::Tensor& x) {
+  const int code = dtype_code("idx_fp4_hadamard_fake_quant", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.is_contiguous(), "idx_fp4_hadamard_fake_quant: x must be contiguous");
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(d == 32 || d == 64 || d == 128 || d == 256, "idx_fp4_hadamard_fake_quant: the row width must be 32, "
+              "64, 128 or 256, got ", num(d));
+  at::Tensor out = at::empty_like(x);
+  if (x.numel() == 0) return out;
+  const c10::cuda::CUDAGuard guard(x.device());
+  dsv4rt::idx_fp4_hadamard_fake_quant_launch(x.data_ptr(), out.data_ptr(), code, x.numel() / d, d,
+                                             static_cast<float>(std::pow(static_cast<double>(d), -0.5)),
+                                             c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dsv4rt, CUDA, m) {
   m.impl("rms_norm", &rms_norm_cuda);
   m.impl("rope_rotate", &rope_rotate_cuda);
   m.impl("head_norm_rope", &head_norm_rope_cuda);
+  m.impl("kv_fp8_fake_quant", &kv_fp8_fake_quant_cuda);
+  m.impl("idx_fp4_hadamard_fake_quant", &idx_fp4_hadamard_fake_quant_cuda);
 }

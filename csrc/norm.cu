@@ -161,6 +161,82 @@ __global__ void __launch_bounds__(kRowWarps * 32) rope_rows_kernel(const T* __re
   }
 }
 
+// One warp a row: block b's channels 64b + lane and 64b + 32 + lane, the block's amax by a warp butterfly.
+template <typename T>
+__global__ void __launch_bounds__(kRowWarps * 32) kv_fp8_fake_quant_kernel(const T* __restrict__ x,
+                                                                           T* __restrict__ out, int64_t rows,
+                                                                           int64_t d, int64_t rope_dim) {
+  const int lane = threadIdx.x % 32;
+  const int64_t nope = d - rope_dim;
+#pragma unroll 1
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32; row < rows;
+       row += static_cast<int64_t>(gridDim.x) * kRowWarps) {
+    const T* xr = x + row * d;
+    T* orow = out + row * d;
+    for (int64_t b0 = 0; b0 < nope; b0 += kFp8Block) {
+      const float v0 = Num<T>::load(xr[b0 + lane]), v1 = Num<T>::load(xr[b0 + 32 + lane]);
+      const float scale = exp2_int(pow2_scale_exp(warp_max(fmaxf(fabsf(v0), fabsf(v1))), kFp8AmaxFloor, kFp8InvMax));
+      orow[b0 + lane] = Num<T>::store(__fmul_rn(fp8_decode(fp8_encode(v0, scale)), scale));
+      orow[b0 + 32 + lane] = Num<T>::store(__fmul_rn(fp8_decode(fp8_encode(v1, scale)), scale));
+    }
+    for (int64_t i = nope + lane; i < d; i += 32) orow[i] = Num<T>::store(round_to<__nv_bfloat16>(Num<T>::load(xr[i])));
+  }
+}
+
+// One warp a row of 32 * E channels, lane l holding channels E l .. E l + E - 1. Hadamard stages h < E inside the
+// lane, the others across lanes (partner lane ^ h / E); each pair (a, b), a the lower channel, becomes (a + b, a - b)
+// as in the reference. Then FP4 blocks of 32 channels: 32 / E lanes each, amax by a butterfly over them.
+template <typename T, int E>
+__global__ void __launch_bounds__(kRowWarps * 32) idx_fp4_hadamard_fake_quant_kernel(const T* __restrict__ x,
+                                                                                     T* __restrict__ out,
+                                                                                     int64_t rows, float inv_sqrt_d) {
+  constexpr int kD = 32 * E;
+  const int lane = threadIdx.x % 32;
+#pragma unroll 1
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32; row < rows;
+       row += static_cast<int64_t>(gridDim.x) * kRowWarps) {
+    const T* xr = x + row * kD + E * lane;
+    float v[E];
+#pragma unroll
+    for (int k = 0; k < E; ++k) v[k] = Num<T>::load(xr[k]);
+#pragma unroll
+    for (int h = 1; h < E; h *= 2) {
+#pragma unroll
+      for (int k = 0; k < E; ++k) {
+        if ((k & h) == 0) {
+          const float a = v[k], b = v[k + h];
+          v[k] = __fadd_rn(a, b), v[k + h] = __fsub_rn(a, b);
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 1; h < 32; h *= 2) {  // channel stride h * E
+      const bool upper = (lane & h) != 0;
+#pragma unroll
+      for (int k = 0; k < E; ++k) {
+        const float other = __shfl_xor_sync(0xffffffffu, v[k], h);
+        v[k] = upper ? __fsub_rn(other, v[k]) : __fadd_rn(v[k], other);
+      }
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      v[k] = __fmul_rn(v[k], inv_sqrt_d);
+      amax = fmaxf(amax, fabsf(v[k]));
+    }
+#pragma unroll
+    for (int o = 1; o < 32 / E; o *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float scale = exp2_int(pow2_scale_exp(amax, kFp4AmaxFloor, kFp4InvMax));
+    T* orow = out + row * kD + E * lane;
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      const float y = __fdiv_rn(v[k], scale);
+      const float mag = e2m1_magnitude(e2m1_encode(y) & 7);
+      orow[k] = Num<T>::store(__fmul_rn(copysignf(mag, y), scale));
+    }
+  }
+}
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <typename T>
@@ -230,6 +306,52 @@ void rope_rows_launch(const void* x, const float* cos, const float* sin, void* o
       rope_rows_typed<__nv_bfloat16>(x, cos, sin, out, tokens, heads, d, half, norm, inverse, eps, stream);
       break;
     default: rope_rows_typed<__half>(x, cos, sin, out, tokens, heads, d, half, norm, inverse, eps, stream); break;
+  }
+}
+
+void kv_fp8_fake_quant_launch(const void* x, void* out, int dtype, int64_t rows, int64_t d, int64_t rope_dim,
+                              cudaStream_t stream) {
+  if (rows <= 0 || d <= 0) return;
+  const int64_t blocks = (rows + kRowWarps - 1) / kRowWarps;
+  const int grid = static_cast<int>(blocks < 16LL * num_sms() ? blocks : 16LL * num_sms());
+  switch (dtype) {
+    case 0:
+      kv_fp8_fake_quant_kernel<float><<<grid, kRowWarps * 32, 0, stream>>>(static_cast<const float*>(x),
+                                                                          static_cast<float*>(out), rows, d, rope_dim);
+      break;
+    case 1:
+      kv_fp8_fake_quant_kernel<__nv_bfloat16><<<grid, kRowWarps * 32, 0, stream>>>(
+          static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(out), rows, d, rope_dim);
+      break;
+    default:
+      kv_fp8_fake_quant_kernel<__half><<<grid, kRowWarps * 32, 0, stream>>>(static_cast<const __half*>(x),
+                                                                           static_cast<__half*>(out), rows, d, rope_dim);
+      break;
+  }
+}
+
+template <typename T>
+void idx_fp4_typed(const void* x, void* out, int64_t rows, int64_t d, float inv_sqrt_d, int grid,
+                   cudaStream_t stream) {
+  const T* xt = static_cast<const T*>(x);
+  T* ot = static_cast<T*>(out);
+  switch (d) {
+    case 32: idx_fp4_hadamard_fake_quant_kernel<T, 1><<<grid, kRowWarps * 32, 0, stream>>>(xt, ot, rows, inv_sqrt_d); break;
+    case 64: idx_fp4_hadamard_fake_quant_kernel<T, 2><<<grid, kRowWarps * 32, 0, stream>>>(xt, ot, rows, inv_sqrt_d); break;
+    case 128: idx_fp4_hadamard_fake_quant_kernel<T, 4><<<grid, kRowWarps * 32, 0, stream>>>(xt, ot, rows, inv_sqrt_d); break;
+    default: idx_fp4_hadamard_fake_quant_kernel<T, 8><<<grid, kRowWarps * 32, 0, stream>>>(xt, ot, rows, inv_sqrt_d); break;
+  }
+}
+
+void idx_fp4_hadamard_fake_quant_launch(const void* x, void* out, int dtype, int64_t rows, int64_t d, float inv_sqrt_d,
+                                        cudaStream_t stream) {
+  if (rows <= 0) return;
+  const int64_t blocks = (rows + kRowWarps - 1) / kRowWarps;
+  const int grid = static_cast<int>(blocks < 16LL * num_sms() ? blocks : 16LL * num_sms());
+  switch (dtype) {
+    case 0: idx_fp4_typed<float>(x, out, rows, d, inv_sqrt_d, grid, stream); break;
+    case 1: idx_fp4_typed<__nv_bfloat16>(x, out, rows, d, inv_sqrt_d, grid, stream); break;
+    default: idx_fp4_typed<__half>(x, out, rows, d, inv_sqrt_d, grid, stream); break;
   }
 }
 

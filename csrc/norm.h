@@ -20,4 +20,14 @@ void rope_rows_launch(const void* x, const float* cos, const float* sin, void* o
                       int64_t heads, int64_t d, int64_t half, bool norm, bool inverse, float eps,
                       cudaStream_t stream);
 
+// x, out [rows, d]: the FP8 row format's quantise-dequantise (ops/kv_quant.py kv_fp8_fake_quant): the first
+// d - rope_dim channels in blocks of 64 through e4m3 with a power-of-two scale, the rest rounded to bf16.
+void kv_fp8_fake_quant_launch(const void* x, void* out, int dtype, int64_t rows, int64_t d, int64_t rope_dim,
+                              cudaStream_t stream);
+
+// x, out [rows, d], d in {32, 64, 128, 256}: the normalised Hadamard transform of each row (fp32), then FP4 e2m1
+// quantise-dequantise in blocks of 32 with a power-of-two scale (kv_quant.py idx_fp4_fake_quant(hadamard(x))).
+void idx_fp4_hadamard_fake_quant_launch(const void* x, void* out, int dtype, int64_t rows, int64_t d, float inv_sqrt_d,
+                                        cudaStream_t stream);
+
 }  // namespace dsv4rt

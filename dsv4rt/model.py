@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsv4rt.ops import attention, compressor, indexer, mhc, moe, swa
-from dsv4rt.ops.kv_quant import QUANT_NONE, hadamard, idx_fp4_fake_quant, kv_fp8_fake_quant
-from dsv4rt.ops.norm import head_norm_rope, rms_norm, rope_rotate
+from dsv4rt.ops.kv_quant import QUANT_NONE
+from dsv4rt.ops.norm import (head_norm_rope, idx_fp4_hadamard_fake_quant, kv_fp8_fake_quant, rms_norm,
+                             rope_rotate)
 from dsv4rt.ops.rope import rope_table
 
 from .cache import KVCache, LayerCache
@@ -140,7 +141,7 @@ class Attention(nn.Module):
                 qi = F.linear(qr, ix.q_b_proj.weight).view(n_tok, ix.n_heads, ix.head_dim)
                 qi = rope_rotate(qi, *rot)
                 if lc.idx_quant != QUANT_NONE:  # official: Hadamard + FP4 on the indexer query too
-                    qi = idx_fp4_fake_quant(hadamard(qi)).to(qi.dtype)
+                    qi = idx_fp4_hadamard_fake_quant(qi)
                 w = F.linear(x32, ix.scorer.weights_proj.weight) * (ix.n_heads**-0.5 * ix.head_dim**-0.5)
                 entry_idx = indexer.indexer_topk(qi, w, lc.idx_entries, st.req_slot, st.positions, st.block_table,
                                                  ratio, ix.topk)

@@ -9,17 +9,24 @@ numerics: the rotations bit for bit, the norms up to the order of their fp32 sum
 * `rope_rotate(x, cos, sin, inverse)`: `ops.rope.rope_rotate` with the step's table (cos, sin).
 * `head_norm_rope(x, cos, sin, eps)`: the attention query's per-head RMSNorm without weight (its factor rounded to
   x's dtype, as the model computes it), then the rotation.
+* `kv_fp8_fake_quant(x, rope_dim)`: the kv row as the FP8 cache holds it (`ops.kv_quant.kv_fp8_fake_quant`).
+* `idx_fp4_hadamard_fake_quant(x)`: the indexer query's Hadamard transform and FP4 rounding.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from .kv_quant import hadamard
+from .kv_quant import idx_fp4_fake_quant as _idx_fp4_fake_quant_plain
+from .kv_quant import kv_fp8_fake_quant as _kv_fp8_fake_quant_plain
 from .rope import rope_rotate as _rope_rotate_plain
 
 torch.library.define("dsv4rt::rms_norm", "(Tensor x, Tensor weight, float eps) -> Tensor")
 torch.library.define("dsv4rt::rope_rotate", "(Tensor x, Tensor cos, Tensor sin, bool inverse) -> Tensor")
 torch.library.define("dsv4rt::head_norm_rope", "(Tensor x, Tensor cos, Tensor sin, float eps) -> Tensor")
+torch.library.define("dsv4rt::kv_fp8_fake_quant", "(Tensor x, int rope_dim) -> Tensor")
+torch.library.define("dsv4rt::idx_fp4_hadamard_fake_quant", "(Tensor x) -> Tensor")
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -49,6 +56,32 @@ def _check_weight(x: Tensor, weight: Tensor) -> None:
 def _check_heads(x: Tensor, cos: Tensor, sin: Tensor) -> None:
     torch._check(x.dim() == 3, lambda: f"head_norm_rope: x must be [T, H, D], got {tuple(x.shape)}")
     _check_table("head_norm_rope", x, cos, sin)
+
+
+def _check_fp8_row(x: Tensor, rope_dim: int) -> None:
+    _check_x("kv_fp8_fake_quant", x, 1)
+    nope = x.shape[-1] - rope_dim
+    torch._check(rope_dim >= 0 and nope > 0 and nope % 64 == 0,
+                 lambda: f"kv_fp8_fake_quant: width - rope_dim must be a positive multiple of 64, got width "
+                         f"{x.shape[-1]} and rope_dim {rope_dim}")
+
+
+def _check_fp4_row(x: Tensor) -> None:
+    _check_x("idx_fp4_hadamard_fake_quant", x, 1)
+    torch._check(x.shape[-1] in (32, 64, 128, 256),
+                 lambda: f"idx_fp4_hadamard_fake_quant: the row width must be 32, 64, 128 or 256, got {x.shape[-1]}")
+
+
+@torch.library.register_fake("dsv4rt::kv_fp8_fake_quant")
+def _kv_fp8_fake_quant_fake(x: Tensor, rope_dim: int) -> Tensor:
+    _check_fp8_row(x, rope_dim)
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("dsv4rt::idx_fp4_hadamard_fake_quant")
+def _idx_fp4_hadamard_fake_quant_fake(x: Tensor) -> Tensor:
+    _check_fp4_row(x)
+    return torch.empty_like(x)
 
 
 @torch.library.register_fake("dsv4rt::rms_norm")
@@ -89,6 +122,20 @@ def head_norm_rope_ref(x: Tensor, cos: Tensor, sin: Tensor, eps: float) -> Tenso
     return _rope_rotate_plain(y, None, None, table=(cos, sin))
 
 
+def kv_fp8_fake_quant_ref(x: Tensor, rope_dim: int) -> Tensor:
+    """Reference: `ops.kv_quant.kv_fp8_fake_quant` (what a row reads back from the FP8 cache layout)."""
+    _check_fp8_row(x, rope_dim)
+    return _kv_fp8_fake_quant_plain(x, rope_dim)
+
+
+def idx_fp4_hadamard_fake_quant_ref(x: Tensor) -> Tensor:
+    """Reference: `idx_fp4_fake_quant(hadamard(x)).to(x.dtype)` (the indexer query as the official model rounds it)."""
+    _check_fp4_row(x)
+    return _idx_fp4_fake_quant_plain(hadamard(x)).to(x.dtype)
+
+
+torch.library.impl("dsv4rt::kv_fp8_fake_quant", "CompositeExplicitAutograd", kv_fp8_fake_quant_ref)
+torch.library.impl("dsv4rt::idx_fp4_hadamard_fake_quant", "CompositeExplicitAutograd", idx_fp4_hadamard_fake_quant_ref)
 torch.library.impl("dsv4rt::rms_norm", "CompositeExplicitAutograd", rms_norm_ref)
 torch.library.impl("dsv4rt::rope_rotate", "CompositeExplicitAutograd", rope_rotate_ref)
 torch.library.impl("dsv4rt::head_norm_rope", "CompositeExplicitAutograd", head_norm_rope_ref)
@@ -117,3 +164,20 @@ def head_norm_rope(x: Tensor, cos: Tensor, sin: Tensor, eps: float) -> Tensor:
     Shapes: x [T, H, D]; cos, sin [T, rope_dim / 2] float32. Returns x's shape and dtype. Capture-safe.
     """
     return torch.ops.dsv4rt.head_norm_rope.default(x.contiguous(), cos, sin, eps)
+
+
+def kv_fp8_fake_quant(x: Tensor, rope_dim: int) -> Tensor:
+    """The FP8 row format's quantise-dequantise: the first width - rope_dim channels in blocks of 64 through e4m3
+    with a power-of-two scale, the last rope_dim rounded to bf16.
+
+    Shapes: x [..., width]. Returns x's shape and dtype. Capture-safe.
+    """
+    return torch.ops.dsv4rt.kv_fp8_fake_quant.default(x.contiguous(), rope_dim)
+
+
+def idx_fp4_hadamard_fake_quant(x: Tensor) -> Tensor:
+    """The normalised Hadamard transform of each row, then FP4 e2m1 quantise-dequantise in blocks of 32.
+
+    Shapes: x [..., D], D in {32, 64, 128, 256}. Returns x's shape and dtype. Capture-safe.
+    """
+    return torch.ops.dsv4rt.idx_fp4_hadamard_fake_quant.default(x.contiguous())

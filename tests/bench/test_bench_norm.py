@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dsv4rt.ops import norm
-from dsv4rt.ops.norm import head_norm_rope_ref, rms_norm_ref, rope_rotate_ref
+from dsv4rt.ops.norm import (head_norm_rope_ref, idx_fp4_hadamard_fake_quant_ref, kv_fp8_fake_quant_ref,
+                             rms_norm_ref, rope_rotate_ref)
 from dsv4rt.ops.rope import rope_table
 from graphtime import capture, median_seconds
 
@@ -26,12 +27,19 @@ CASES = {
     "head_norm_rope q": (norm.head_norm_rope, head_norm_rope_ref, (64, 512), 64),
     "rope_rotate kv": (norm.rope_rotate, rope_rotate_ref, (512,), 64),
     "rope_rotate o (inverse)": (norm.rope_rotate, rope_rotate_ref, (64, 512), 64),
+    "kv_fp8_fake_quant kv": (norm.kv_fp8_fake_quant, kv_fp8_fake_quant_ref, (512,), 64),
+    "idx_fp4_hadamard_fake_quant qi": (norm.idx_fp4_hadamard_fake_quant, idx_fp4_hadamard_fake_quant_ref, (64, 128),
+                                       None),
 }
 
 
 def _args(case: str, n_tok: int) -> tuple:
     _, _, shape, rope_dim = CASES[case]
     x = torch.randn((n_tok,) + shape, device="cuda").to(torch.bfloat16)
+    if case.startswith("kv_fp8"):
+        return x, rope_dim
+    if case.startswith("idx_fp4"):
+        return (x,)
     if rope_dim is None:
         return x, torch.rand(shape[-1], device="cuda") + 0.5, EPS
     pos = torch.arange(n_tok, device="cuda", dtype=torch.int32) + 4096

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from dsv4rt.ops import norm
-from dsv4rt.ops.norm import head_norm_rope_ref, rms_norm_ref, rope_rotate_ref
+from dsv4rt.ops.norm import (head_norm_rope_ref, idx_fp4_hadamard_fake_quant_ref, kv_fp8_fake_quant_ref,
+                             rms_norm_ref, rope_rotate_ref)
 from dsv4rt.ops.rope import rope_table
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -55,6 +56,8 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.dsv4rt.rms_norm.default, (x, _weight(64, device), EPS))
     torch.library.opcheck(torch.ops.dsv4rt.rope_rotate.default, (x, cos, sin, True))
     torch.library.opcheck(torch.ops.dsv4rt.head_norm_rope.default, (x, cos, sin, EPS))
+    torch.library.opcheck(torch.ops.dsv4rt.kv_fp8_fake_quant.default, (_x((3, 128), torch.bfloat16, device), 64))
+    torch.library.opcheck(torch.ops.dsv4rt.idx_fp4_hadamard_fake_quant.default, (x,))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -125,6 +128,10 @@ def test_errors_name_the_problem(device):
         norm.head_norm_rope(x[:, 0], cos, sin, EPS)
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         norm.rms_norm(x.to(torch.float64), _weight(64, device), EPS)
+    with pytest.raises(RuntimeError, match="positive multiple of 64"):
+        norm.kv_fp8_fake_quant(x, 32)
+    with pytest.raises(RuntimeError, match="must be 32, 64, 128 or 256"):
+        norm.idx_fp4_hadamard_fake_quant(x[..., :48])
 
 
 @pytest.mark.cuda
@@ -189,3 +196,32 @@ def test_cuda_graph_replay(capture_graph):
     x.copy_(_x((2, 64, 512), torch.bfloat16, "cuda", seed=5))
     graph.replay()
     torch.testing.assert_close(out, norm.rms_norm(norm.head_norm_rope(x, cos, sin, EPS), w, EPS), rtol=0, atol=0)
+
+
+def _quant_rows(shape, dtype, seed=0):
+    """Rows of every scale (1e-6 .. 1e3, so some blocks sit below the amax floors), with a zero row and -0.0s."""
+    x = _x(shape, torch.float32, "cpu", seed=seed)
+    rows = x.reshape(-1, shape[-1])
+    rows *= torch.logspace(-6, 3, rows.shape[0])[:, None]
+    rows[0] = 0.0
+    rows[1, ::3] = -0.0
+    return x.to(dtype).cuda()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,rope_dim", [((40, 512), 64), ((3, 16, 128), 64), ((5, 192), 0)])
+def test_cuda_kv_fp8_fake_quant_bit_exact(shape, rope_dim, dtype):
+    x = _quant_rows(shape, dtype)
+    torch.testing.assert_close(norm.kv_fp8_fake_quant(x, rope_dim), kv_fp8_fake_quant_ref(x, rope_dim),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [32, 64, 128, 256])
+def test_cuda_idx_fp4_hadamard_fake_quant_bit_exact(width, dtype):
+    x = _quant_rows((7, 9, width), dtype)
+    out, ref = norm.idx_fp4_hadamard_fake_quant(x), idx_fp4_hadamard_fake_quant_ref(x)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert torch.equal(torch.signbit(out), torch.signbit(ref))  # -0.0 where the reference has it
