@@ -161,25 +161,29 @@ __global__ void __launch_bounds__(kRowWarps * 32) rope_rows_kernel(const T* __re
   }
 }
 
-// One warp a row: block b's channels 64b + lane and 64b + 32 + lane, the block's amax by a warp butterfly.
+// One warp a unit, a row being nope / 64 FP8 units and one rope unit: FP8 block b's channels 64b + lane and
+// 64b + 32 + lane, the block's amax by a warp butterfly; the rope unit rounds the rope channels to bf16. A row's
+// units run in parallel, so one token costs one load round, not one a block.
 template <typename T>
 __global__ void __launch_bounds__(kRowWarps * 32) kv_fp8_fake_quant_kernel(const T* __restrict__ x,
                                                                            T* __restrict__ out, int64_t rows,
                                                                            int64_t d, int64_t rope_dim) {
   const int lane = threadIdx.x % 32;
-  const int64_t nope = d - rope_dim;
+  const int64_t nope = d - rope_dim, per_row = nope / kFp8Block + 1;
 #pragma unroll 1
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32; row < rows;
-       row += static_cast<int64_t>(gridDim.x) * kRowWarps) {
+  for (int64_t unit = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32; unit < rows * per_row;
+       unit += static_cast<int64_t>(gridDim.x) * kRowWarps) {
+    const int64_t row = unit / per_row, b0 = (unit % per_row) * kFp8Block;
     const T* xr = x + row * d;
     T* orow = out + row * d;
-    for (int64_t b0 = 0; b0 < nope; b0 += kFp8Block) {
+    if (b0 < nope) {
       const float v0 = Num<T>::load(xr[b0 + lane]), v1 = Num<T>::load(xr[b0 + 32 + lane]);
       const float scale = exp2_int(pow2_scale_exp(warp_max(fmaxf(fabsf(v0), fabsf(v1))), kFp8AmaxFloor, kFp8InvMax));
       orow[b0 + lane] = Num<T>::store(__fmul_rn(fp8_decode(fp8_encode(v0, scale)), scale));
       orow[b0 + 32 + lane] = Num<T>::store(__fmul_rn(fp8_decode(fp8_encode(v1, scale)), scale));
+    } else {
+      for (int64_t i = nope + lane; i < d; i += 32) orow[i] = Num<T>::store(round_to<__nv_bfloat16>(Num<T>::load(xr[i])));
     }
-    for (int64_t i = nope + lane; i < d; i += 32) orow[i] = Num<T>::store(round_to<__nv_bfloat16>(Num<T>::load(xr[i])));
   }
 }
 
@@ -312,7 +316,7 @@ void rope_rows_launch(const void* x, const float* cos, const float* sin, void* o
 void kv_fp8_fake_quant_launch(const void* x, void* out, int dtype, int64_t rows, int64_t d, int64_t rope_dim,
                               cudaStream_t stream) {
   if (rows <= 0 || d <= 0) return;
-  const int64_t blocks = (rows + kRowWarps - 1) / kRowWarps;
+  const int64_t blocks = (rows * ((d - rope_dim) / kFp8Block + 1) + kRowWarps - 1) / kRowWarps;
   const int grid = static_cast<int>(blocks < 16LL * num_sms() ? blocks : 16LL * num_sms());
   switch (dtype) {
     case 0:
