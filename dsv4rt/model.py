@@ -49,47 +49,64 @@ class Norm(nn.Module):
         self.weight = _param(dim, dtype=torch.float32)
 
 
-class Compressor(nn.Module):
-    """Projections and parameters of one compressor (fp32, as the official reference runs them)."""
+def fp32_proj_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The weight dtype of a projection the reference runs in fp32 (the compressors', the indexer scorer's, the
+    router's): a bf16 model keeps the checkpoint's bf16 (exact; half the bytes a step reads), others fp32."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
-    def __init__(self, cfg: ModelConfig, ratio: int, width: int, overlap: bool) -> None:
+
+def linear_fp32(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ weight.T in fp32, as the reference's upcast GEMM. With bf16 operands every product is exact in fp32 and
+    the sum is accumulated in fp32, so only the summation order differs from the upcast form: on CUDA one cuBLAS
+    GEMM with an fp32 output (`mm.dtype`, tensor cores) instead of an fp32 GEMM over upcast copies."""
+    if weight.dtype == torch.float32:
+        return F.linear(x.float(), weight)
+    if x.is_cuda and x.dtype == weight.dtype:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return F.linear(x.float(), weight.float())
+
+
+class Compressor(nn.Module):
+    """Projections and parameters of one compressor (run in fp32, as the official reference runs them)."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, width: int, overlap: bool, dtype: torch.dtype) -> None:
         super().__init__()
         c = 2 if overlap else 1
         self.ratio, self.width, self.overlap = ratio, width, overlap
-        self.kv_proj = Linear(c * width, cfg.hidden_size, torch.float32)
-        self.gate_proj = Linear(c * width, cfg.hidden_size, torch.float32)
+        self.kv_proj = Linear(c * width, cfg.hidden_size, fp32_proj_dtype(dtype))
+        self.gate_proj = Linear(c * width, cfg.hidden_size, fp32_proj_dtype(dtype))
         self.position_bias = _param(ratio, c * width, dtype=torch.float32)
         self.kv_norm = Norm(width)
 
-    def rows(self, x32: Tensor) -> tuple[Tensor, Tensor]:
+    def rows(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """The step's (kv, score) rows [T, c*d] fp32."""
-        return F.linear(x32, self.kv_proj.weight), F.linear(x32, self.gate_proj.weight)
+        return linear_fp32(x, self.kv_proj.weight), linear_fp32(x, self.gate_proj.weight)
 
-    def update(self, x32: Tensor, st: StepTensors, inv_freq: Tensor, kv_state: Tensor, score_state: Tensor,
+    def update(self, x: Tensor, st: StepTensors, inv_freq: Tensor, kv_state: Tensor, score_state: Tensor,
                entries: Tensor, quant: int, eps: float, dtype: torch.dtype) -> None:
-        kv, score = self.rows(x32)
+        kv, score = self.rows(x)
         compressor.compressor_update(kv, score, self.position_bias, self.kv_norm.weight, inv_freq, kv_state,
                                      score_state, entries, st.req_slot, st.positions, st.start_pos, st.end_pos,
                                      st.block_table, self.ratio, self.overlap, quant, eps, dtype)
 
 
 class Scorer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weights_proj = Linear(cfg.index_heads, cfg.hidden_size, torch.float32)
+        self.weights_proj = Linear(cfg.index_heads, cfg.hidden_size, fp32_proj_dtype(dtype))
 
 
 class Indexer(Compressor):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
-        super().__init__(cfg, cfg.csa_ratio, cfg.index_head_dim, overlap=True)
+        super().__init__(cfg, cfg.csa_ratio, cfg.index_head_dim, overlap=True, dtype=dtype)
         self.q_b_proj = Linear(cfg.index_heads * cfg.index_head_dim, cfg.q_lora_rank, dtype)
-        self.scorer = Scorer(cfg)
+        self.scorer = Scorer(cfg, dtype)
         self.n_heads, self.head_dim, self.topk = cfg.index_heads, cfg.index_head_dim, cfg.index_topk
 
 
 class MainCompressor(Compressor):
     def __init__(self, cfg: ModelConfig, layer_type: str, dtype: torch.dtype) -> None:
-        super().__init__(cfg, cfg.ratio(layer_type), cfg.head_dim, overlap=layer_type == CSA)
+        super().__init__(cfg, cfg.ratio(layer_type), cfg.head_dim, overlap=layer_type == CSA, dtype=dtype)
         if layer_type == CSA:
             self.indexer = Indexer(cfg, dtype)
 
@@ -126,13 +143,12 @@ class Attention(nn.Module):
         entries, entry_idx, ratio = None, None, 1
         if self.layer_type != SLIDING:
             comp = self.compressor
-            x32 = x.float()
             entries, ratio = lc.entries, comp.ratio
             if self.layer_type != CSA:
-                comp.update(x32, st, inv_freq, lc.kv_state, lc.score_state, lc.entries, lc.main_quant, eps, x.dtype)
+                comp.update(x, st, inv_freq, lc.kv_state, lc.score_state, lc.entries, lc.main_quant, eps, x.dtype)
             else:  # the main and indexer compressors in one op (one launch at decode)
                 ix = comp.indexer
-                (kv_m, sc_m), (kv_i, sc_i) = comp.rows(x32), ix.rows(x32)
+                (kv_m, sc_m), (kv_i, sc_i) = comp.rows(x), ix.rows(x)
                 compressor.compressor_update_pair(
                     kv_m, sc_m, comp.position_bias, comp.kv_norm.weight, lc.kv_state, lc.score_state, lc.entries,
                     lc.main_quant, kv_i, sc_i, ix.position_bias, ix.kv_norm.weight, lc.idx_kv_state,
@@ -142,7 +158,7 @@ class Attention(nn.Module):
                 qi = rope_rotate(qi, *rot)
                 if lc.idx_quant != QUANT_NONE:  # official: Hadamard + FP4 on the indexer query too
                     qi = idx_fp4_hadamard_fake_quant(qi)
-                w = F.linear(x32, ix.scorer.weights_proj.weight) * (ix.n_heads**-0.5 * ix.head_dim**-0.5)
+                w = linear_fp32(x, ix.scorer.weights_proj.weight) * (ix.n_heads**-0.5 * ix.head_dim**-0.5)
                 entry_idx = indexer.indexer_topk(qi, w, lc.idx_entries, st.req_slot, st.positions, st.block_table,
                                                  ratio, ix.topk)
 
@@ -160,10 +176,8 @@ class Attention(nn.Module):
 class Gate(nn.Module):
     def __init__(self, cfg: ModelConfig, is_hash: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        # the router runs in fp32 (moe_gate casts); a bf16 model keeps the weight as the checkpoint stores it, bf16
-        # (exact, half the bytes of the routing chain's read), other dtypes in fp32
-        self.weight = _param(cfg.n_experts, cfg.hidden_size,
-                             dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+        # the router runs in fp32 (moe_gate casts); the weight as fp32_proj_dtype says
+        self.weight = _param(cfg.n_experts, cfg.hidden_size, dtype=fp32_proj_dtype(dtype))
         if is_hash:
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.n_active, dtype=torch.int64))
         else:
