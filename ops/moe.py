@@ -128,7 +128,8 @@ torch.library.impl("dsv4rt::moe_experts", "CompositeExplicitAutograd", moe_exper
 
 def moe_gate(x: Tensor, weight: Tensor) -> Tensor:
     """Router logits. Shapes: x [T, D] (any float dtype), weight [E, D] fp32 or bf16 -> [T, E] fp32 (both cast to
-    fp32 first)."""
+    fp32 first). The model's other fp32-result projections (compressors, indexer scorer) call it too
+    (`dsv4rt.model.linear_fp32`)."""
     return torch.ops.dsv4rt.moe_gate.default(x, weight)
 
 
