@@ -129,6 +129,10 @@ def cmd_info(args) -> int:
 def cmd_bench(args) -> int:
     from . import bench
 
+    batches, long_contexts = _int_list(args.batches, "--batches"), _int_list(args.long_contexts, "--long-contexts")
+    contexts, prefill = _int_list(args.contexts, "--contexts"), _int_list(args.prefill, "--prefill")
+    if not (batches or long_contexts or prefill):
+        raise SystemExit("bench: nothing to run (--batches, --long-contexts and --prefill are all empty)")
     if not torch.cuda.is_available():
         raise SystemExit("bench needs a CUDA device")
     import os
@@ -136,13 +140,32 @@ def cmd_bench(args) -> int:
     import dsv4rt.ops
     if os.environ.get("DSV4RT_KERNELS", "native") != "reference":
         dsv4rt.ops.load_cuda_kernels()
-    bench.run(args.preset, layers=args.layers, experts=args.experts,
-              batches=tuple(int(b) for b in args.batches.split(",")),
-              contexts=tuple(int(c) for c in args.contexts.split(",")),
-              long_contexts=tuple(int(c) for c in args.long_contexts.split(",") if c),
-              kv_dtype=args.kv_dtype, dtype=DTYPES[args.dtype], hf=not args.no_hf, backend=args.backend,
-              profile=args.profile, max_context=args.max_context)
+    if batches or long_contexts:
+        bench.run(args.preset, layers=args.layers, experts=args.experts, batches=batches,
+                  contexts=contexts if batches else (), long_contexts=long_contexts,
+                  kv_dtype=args.kv_dtype, dtype=DTYPES[args.dtype], hf=not args.no_hf, backend=args.backend,
+                  profile=args.profile, max_context=args.max_context)
+    if prefill:
+        bench.run_prefill(args.preset, layers=args.layers, experts=args.experts, chunks=prefill,
+                          kv_dtype=args.kv_dtype, dtype=DTYPES[args.dtype], backend=args.backend)
     return 0
+
+
+def _int_list(text: str, option: str) -> tuple[int, ...]:
+    """"1,8,32" -> (1, 8, 32); "" -> (); a bad or non-positive entry is refused by name."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            raise SystemExit(f"{option}: {part!r} is not an integer") from None
+        if value < 1:
+            raise SystemExit(f"{option}: {value} must be at least 1")
+        out.append(value)
+    return tuple(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint_opt(i, "describe (headers only)")
     i.set_defaults(fn=cmd_info)
 
-    b = sub.add_parser("bench", help="decode latency table (CUDA): ms/step vs the HBM floor and HF eager")
+    b = sub.add_parser("bench", help="decode latency table (CUDA): ms/step vs the HBM floor and HF eager; with "
+                                     "--prefill, prefill-call times")
     model_opts(b)
     b.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     b.add_argument("--kv-dtype", choices=["auto", "fp8", "fp8_sim"], default="fp8")
@@ -193,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--profile", type=int, default=0, metavar="N",
                    help="print the N kernels taking the most device time in each timed step, then the step's "
                         "kernel time by group (each dsv4rt op family, GEMMs, plain torch ops, copies)")
+    b.add_argument("--prefill", default="", metavar="N,M",
+                   help="also time one request's prefill of N prompt tokens in one step, for each size given "
+                        "(ms a call, tokens/s, weight TFLOP/s); empty --batches and --long-contexts run only this")
     b.add_argument("--max-context", type=int, default=0, metavar="N",
                    help="the runtime's max_context (block-table width) for every context run; default: the context "
                         "+ 64. The block pool still holds only what the requests use")

@@ -1,4 +1,5 @@
-"""Decode-step latency against the HBM floor and HF eager (`python -m dsv4rt bench`, tests/bench/).
+"""Decode-step latency against the HBM floor and HF eager, and prefill-call time (`python -m dsv4rt bench`,
+tests/bench/).
 
 Numbers come from the device the command runs on, in one process: the copy bandwidth used for the
 floor is measured in the same run, and the HF baseline runs the same weights on the same card.
@@ -8,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -211,6 +213,86 @@ def hf_decode_ms(model: Model, batch: int, context: int, iters: int = 5) -> Opti
     finally:
         del hf, past
         torch.cuda.empty_cache()
+
+
+def active_weight_params(model: Model) -> int:
+    """Weights every token of a prefill multiplies: each parameter outside the routed experts, the embedding and the
+    LM head (which runs on the logit rows only), plus n_active routed experts a layer (the shared expert is among
+    the former)."""
+    dense = sum(p.numel() for n, p in model.named_parameters()
+                if ".experts." not in n and not n.startswith(("embed_tokens", "lm_head")))
+    per_expert = sum(p[0].numel() for n, p in model.named_parameters() if n.startswith("layers.0.mlp.experts."))
+    return dense + model.cfg.num_layers * model.cfg.n_active * per_expert
+
+
+def time_prefill(rt: Runtime, tokens: int, iters: int = 3, seed: int = 0) -> float:
+    """Milliseconds of one `rt.step` that prefills `tokens` prompt tokens into a fresh request, as its caller sees
+    it (prepare, copies, the forward calls, the last position's logits back on the host): the median of `iters`
+    calls after one untimed call. Each call admits a request and releases it afterwards."""
+    if iters < 1:
+        raise ValueError(f"time_prefill: iters must be at least 1, got {iters}")
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, rt.cfg.vocab_size, (tokens,), generator=g).tolist()
+    times = []
+    for _ in range(iters + 1):
+        handle = rt.admit()
+        try:
+            if rt.device.type == "cuda":
+                torch.cuda.synchronize(rt.device)
+            t0 = time.perf_counter()
+            rt.step({handle: ids})  # returns host tensors: the step's own sync ends it
+            times.append(time.perf_counter() - t0)
+        finally:
+            rt.release(handle)
+    return statistics.median(times[1:]) * 1e3
+
+
+PREFILL_HEADER = "| model | prefill tokens | ms/call | tokens/s | weight TFLOP/s |\n|---|---|---|---|---|"
+
+
+def prefill_flops(model: Model, tokens: int) -> int:
+    """The weights' matmul work of one prefill call: 2 x active_weight_params a token, and the LM head once (the
+    last position's logits). Attention's scores are not counted."""
+    return 2 * (active_weight_params(model) * tokens + model.lm_head.weight.numel())
+
+
+def prefill_row(name: str, chunk: int, ms: float, flops: int) -> str:
+    return f"| {name} | {chunk} | {ms:.2f} | {chunk / ms * 1e3:.0f} | {flops / ms / 1e9:.1f} |"
+
+
+def run_prefill(preset: str = "tiny", layers: Optional[int] = None, experts: Optional[int] = None,
+                chunks=(2048, 8192), kv_dtype: str = "fp8", dtype: torch.dtype = torch.bfloat16,
+                backend: str = "aot_eager", iters: int = 3, device: str = "cuda",
+                out=None) -> list[tuple[int, float]]:
+    """Prefill table: for each chunk size, one request's prompt of that many tokens in one step (a runtime with
+    max_tokens_per_step = the chunk, graph-replayed on CUDA). weight TFLOP/s = `prefill_flops` / time: the matmul
+    work of the weights alone (attention's scores not counted). Returns [(chunk, ms)]."""
+    cfg = {"tiny": ModelConfig.tiny, "flash": ModelConfig.flash, "pro": ModelConfig.pro}[preset]()
+    if experts:
+        cfg = cfg.replace(n_experts=experts, n_active=min(cfg.n_active, experts))
+    if layers:
+        cfg = cfg.truncated(layers)
+    out = out or sys.stdout
+    model = Model.random(cfg, seed=0, dtype=dtype, device=device)
+    name = f"{preset} L{cfg.num_layers} E{cfg.n_experts}"
+    card = torch.cuda.get_device_name(device) if model.device.type == "cuda" else str(model.device)
+    print(f"device {card}, torch {torch.__version__}, {dtype} weights, kv_dtype={kv_dtype}, "
+          f"compile backend {backend}, prefill calls", file=out)
+    rows: list[tuple[int, float]] = []
+    for chunk in chunks:
+        rt = Runtime(model, max_requests=1, max_context=chunk + 64, kv_dtype=kv_dtype, max_tokens_per_step=chunk,
+                     backend=backend if model.device.type == "cuda" else None,  # the CPU runs the step eagerly
+                     log=lambda m: print(m, file=sys.stderr, flush=True))
+        ms = time_prefill(rt, chunk, iters=iters)
+        rows.append((chunk, ms))
+        print(prefill_row(name, chunk, ms, prefill_flops(model, chunk)), file=sys.stderr, flush=True)
+        del rt
+        if model.device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(PREFILL_HEADER, file=out)
+    for chunk, ms in rows:
+        print(prefill_row(name, chunk, ms, prefill_flops(model, chunk)), file=out)
+    return rows
 
 
 def run(preset: str = "tiny", layers: Optional[int] = None, experts: Optional[int] = None,

@@ -1,6 +1,7 @@
 """Host-side helpers of `python -m dsv4rt bench` that run on any device (the timed parts need CUDA)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import dsv4rt
@@ -57,3 +58,46 @@ def test_profile_groups_name_each_kernel_family():
     }
     for name, group in cases.items():
         assert bench.kernel_group(name) == group, name
+
+
+def test_time_prefill_times_a_fresh_request_and_releases_it():
+    model = dsv4rt.Model.random(ModelConfig.tiny(), seed=0, dtype=torch.float32)
+    rt = dsv4rt.Runtime(model, max_requests=1, max_context=128, max_tokens_per_step=64)
+    ms = bench.time_prefill(rt, 40, iters=2)
+    assert ms > 0
+    assert rt.live == []  # every timed request released: a second run admits again
+    assert bench.time_prefill(rt, 40, iters=1) > 0
+    with pytest.raises(ValueError, match="iters must be at least 1"):
+        bench.time_prefill(rt, 40, iters=0)
+
+
+def test_active_weight_params_counts_n_active_routed_experts():
+    cfg = ModelConfig.tiny()
+    model = dsv4rt.Model.random(cfg, seed=0, dtype=torch.float32)
+    total = sum(p.numel() for p in model.parameters())
+    embed, head = model.embed_tokens.weight.numel(), model.lm_head.weight.numel()
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    # the routed experts a token does not use, by another route: each layer's share of the idle experts
+    idle = experts * (cfg.n_experts - cfg.n_active) // cfg.n_experts
+    assert bench.active_weight_params(model) == total - embed - head - idle
+    assert bench.prefill_flops(model, 10) == 2 * (10 * (total - embed - head - idle) + head)
+    assert "| tiny | 10 | 2.00 | 5000 |" in bench.prefill_row("tiny", 10, 2.0, bench.prefill_flops(model, 10))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batches", "1,x"], "--batches: 'x' is not an integer"),
+    (["--prefill", "0"], "--prefill: 0 must be at least 1"),
+    (["--batches=", "--long-contexts="], "nothing to run"),
+])
+def test_bench_cli_refuses_bad_lists_before_any_work(argv, message, capsys):
+    from dsv4rt.__main__ import main
+    with pytest.raises(SystemExit, match=message):
+        main(["bench", *argv])
+
+
+def test_run_prefill_prints_one_row_a_chunk(capsys):
+    rows = bench.run_prefill("tiny", chunks=(16, 40), kv_dtype="auto", dtype=torch.float32, iters=1, device="cpu")
+    assert [c for c, _ in rows] == [16, 40] and all(ms > 0 for _, ms in rows)
+    out = capsys.readouterr().out
+    assert bench.PREFILL_HEADER in out
+    assert sum(line.startswith("| tiny L5 E") for line in out.splitlines()) == 2
