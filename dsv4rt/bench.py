@@ -215,6 +215,14 @@ def hf_decode_ms(model: Model, batch: int, context: int, iters: int = 5) -> Opti
         torch.cuda.empty_cache()
 
 
+def preset_config(preset: str, layers: Optional[int] = None, experts: Optional[int] = None) -> ModelConfig:
+    """A preset's config, `experts` routed experts a layer and only the first `layers` blocks when given."""
+    cfg = {"tiny": ModelConfig.tiny, "flash": ModelConfig.flash, "pro": ModelConfig.pro}[preset]()
+    if experts:
+        cfg = cfg.replace(n_experts=experts, n_active=min(cfg.n_active, experts))
+    return cfg.truncated(layers) if layers else cfg
+
+
 def active_weight_params(model: Model) -> int:
     """Weights every token of a prefill multiplies: each parameter outside the routed experts, the embedding and the
     LM head (which runs on the logit rows only), plus n_active routed experts a layer (the shared expert is among
@@ -267,11 +275,7 @@ def run_prefill(preset: str = "tiny", layers: Optional[int] = None, experts: Opt
     """Prefill table: for each chunk size, one request's prompt of that many tokens in one step (a runtime with
     max_tokens_per_step = the chunk, graph-replayed on CUDA). weight TFLOP/s = `prefill_flops` / time: the matmul
     work of the weights alone (attention's scores not counted). Returns [(chunk, ms)]."""
-    cfg = {"tiny": ModelConfig.tiny, "flash": ModelConfig.flash, "pro": ModelConfig.pro}[preset]()
-    if experts:
-        cfg = cfg.replace(n_experts=experts, n_active=min(cfg.n_active, experts))
-    if layers:
-        cfg = cfg.truncated(layers)
+    cfg = preset_config(preset, layers, experts)
     out = out or sys.stdout
     model = Model.random(cfg, seed=0, dtype=dtype, device=device)
     name = f"{preset} L{cfg.num_layers} E{cfg.n_experts}"
@@ -303,11 +307,7 @@ def run(preset: str = "tiny", layers: Optional[int] = None, experts: Optional[in
     prints that many top kernels of each timed step (to stderr). `max_context` > 0 sizes every runtime's block table
     for that many tokens (as a server configured for long requests does) while its block pool holds only the
     requests' blocks; 0 sizes the table to each context."""
-    cfg = {"tiny": ModelConfig.tiny, "flash": ModelConfig.flash, "pro": ModelConfig.pro}[preset]()
-    if experts:
-        cfg = cfg.replace(n_experts=experts, n_active=min(cfg.n_active, experts))
-    if layers:
-        cfg = cfg.truncated(layers)
+    cfg = preset_config(preset, layers, experts)
     device = torch.device("cuda")
     model = Model.random(cfg, seed=0, dtype=dtype, device=device)
     bw = copy_bandwidth(device)
