@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_grouped_mm.h>
@@ -80,6 +81,60 @@ void check_index(const at::Tensor& t, const char* op, const char* name, const at
               op, ": ", name, " must be a contiguous int64 or int32 tensor on ", dsv4rt::dev_str(dev));
 }
 
+// x . weight^T in fp32 where no GEMV launch takes it: bf16 x and weight (a bf16 model): cuBLAS's bf16 GEMM with fp32
+// output (exact products, fp32 sums), no copy of the weight. Otherwise the reference's own arithmetic, the weight cast
+// to fp32 (bf16 only: off the model's path).
+at::Tensor linear_fp32_gemm(const at::Tensor& x, const at::Tensor& weight) {
+  if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) return at::mm(x, weight.t(), at::kFloat);
+  return at::linear(x.to(at::kFloat), weight.to(at::kFloat));
+}
+
+bool gemv_x_ok(const at::Tensor& x) {
+  return x.size(0) >= 1 && x.size(0) <= dsv4rt::moe_gate_max_tokens && x.size(1) % 8 == 0 && x.is_contiguous() &&
+         aligned16(x) &&
+         (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf);
+}
+
+// linear_fp32: one GEMV launch for every weight when x has at most moe_gate_max_tokens rows and the weights share one
+// type (and at most moe_gemv_max_weights of them); else one GEMM each (linear_fp32_gemm).
+std::vector<at::Tensor> linear_fp32_cuda(const at::Tensor& x, at::TensorList weights) {
+  TORCH_CHECK(x.dim() == 2, "linear_fp32: x must be [T, K], got ", dsv4rt::num(x.dim()), " dims");
+  TORCH_CHECK(!weights.empty(), "linear_fp32: no weights");
+  bool native = gemv_x_ok(x) && static_cast<int64_t>(weights.size()) <= dsv4rt::moe_gemv_max_weights;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "linear_fp32: weight ", dsv4rt::num(static_cast<int64_t>(i)),
+                " must be [N, K] with K = ", dsv4rt::num(x.size(1)), " (x's width)");
+    TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "linear_fp32: weight ",
+                dsv4rt::num(static_cast<int64_t>(i)), " must be float32 or bfloat16, got ", w.scalar_type());
+    TORCH_CHECK(w.device() == x.device(), "linear_fp32: weight ", dsv4rt::num(static_cast<int64_t>(i)), " is on ",
+                dsv4rt::dev_str(w.device()), ", x on ", dsv4rt::dev_str(x.device()));
+    native = native && w.scalar_type() == weights[0].scalar_type() && w.is_contiguous() && aligned16(w);
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  std::vector<at::Tensor> outs;
+  outs.reserve(weights.size());
+  if (!native) {
+    for (const at::Tensor& w : weights) outs.push_back(linear_fp32_gemm(x, w));
+    return outs;
+  }
+  dsv4rt::GemvWeights ws{};
+  int64_t end = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    outs.push_back(at::empty({x.size(0), weights[i].size(0)}, x.options().dtype(at::kFloat)));
+    end += weights[i].size(0);
+    ws.w[i] = weights[i].data_ptr();
+    ws.out[i] = outs.back().data_ptr<float>();
+    ws.end[i] = end;
+  }
+  ws.n = static_cast<int>(weights.size());
+  check_launch(dsv4rt::moe_gemv_launch(x.data_ptr(), dtype_code(x.scalar_type()), ws,
+                                       weights[0].scalar_type() == at::kBFloat16, x.size(0), x.size(1),
+                                       c10::cuda::getCurrentCUDAStream(), use_pdl()),
+               "linear_fp32");
+  return outs;
+}
+
 at::Tensor moe_gate_cuda(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1),
               "moe_gate: x must be [T, D] and weight [E, D]");
@@ -88,18 +143,7 @@ at::Tensor moe_gate_cuda(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(weight.device() == x.device(), "moe_gate: x and weight on different devices");
   const int64_t n_tok = x.size(0), dim = x.size(1), n_exp = weight.size(0);
   const c10::cuda::CUDAGuard guard(x.device());
-  const bool native = n_tok >= 1 && n_tok <= dsv4rt::moe_gate_max_tokens && dim % 8 == 0 && x.is_contiguous() &&
-                      weight.is_contiguous() && aligned16(x) && aligned16(weight) &&
-                      (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
-                       x.scalar_type() == at::kHalf);
-  if (!native) {
-    // bf16 x and weight (a bf16 model): cuBLAS's bf16 GEMM with fp32 output (exact products, fp32 sums), no copy of
-    // the weight. Otherwise the reference's own arithmetic, the weight cast to fp32 (bf16 only: off the model's path).
-    if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16) {
-      return at::mm(x, weight.t(), at::kFloat);
-    }
-    return at::linear(x.to(at::kFloat), weight.to(at::kFloat));
-  }
+  if (!(gemv_x_ok(x) && weight.is_contiguous() && aligned16(weight))) return linear_fp32_gemm(x, weight);
   at::Tensor logits = at::empty({n_tok, n_exp}, x.options().dtype(at::kFloat));
   if (n_exp == 0) return logits;
   check_launch(dsv4rt::moe_gate_launch(x.data_ptr(), dtype_code(x.scalar_type()), weight.data_ptr(),
@@ -313,6 +357,7 @@ at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& w13, const at
 
 TORCH_LIBRARY_IMPL(dsv4rt, CUDA, m) {
   m.impl("moe_gate", &moe_gate_cuda);
+  m.impl("linear_fp32", &linear_fp32_cuda);
   m.impl("moe_route", &moe_route_cuda);
   m.impl("moe_hash_route", &moe_hash_route_cuda);
   m.impl("moe_experts", &moe_experts_cuda);

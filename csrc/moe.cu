@@ -218,19 +218,36 @@ __device__ __forceinline__ void unpack_w<__nv_bfloat16>(const uint4& v, float (&
   }
 }
 
-// logits[t, e] = sum_d float(x[t, d]) * float(w[e, d]): fp32 FMAs, each thread over its columns, then the warps of a
-// row in a fixed order: deterministic. W: the weight's element type, float or bf16 (the checkpoint's: converted
-// exactly, half the bytes of the routing chain's one read).
+// Grid row e of a GemvWeights: its weight and output, the weight's first grid row and its row count. The selection
+// runs over constant indices (no dynamic indexing of the parameter arrays); rows past the end fall in the last weight.
+struct GemvRow {
+  const void* w;
+  float* out;
+  int64_t start, rows;
+};
+
+__device__ __forceinline__ GemvRow gemv_row(const GemvWeights& ws, int64_t e) {
+  GemvRow r{ws.w[0], ws.out[0], 0, ws.end[0]};
+#pragma unroll
+  for (int i = 1; i < moe_gemv_max_weights; ++i) {
+    if (i < ws.n && e >= ws.end[i - 1]) r = GemvRow{ws.w[i], ws.out[i], ws.end[i - 1], ws.end[i] - ws.end[i - 1]};
+  }
+  return r;
+}
+
+// out_i[t, r] = sum_d float(x[t, d]) * float(w_i[r, d]) for each weight i of `ws` (moe_gate: one weight, the router's
+// logits): fp32 FMAs, each thread over its columns, then the warps of a row in a fixed order: deterministic. W: the
+// weights' element type, float or bf16 (the checkpoint's: converted exactly, half the bytes of an fp32 copy's read).
 template <typename T, typename W>
-__global__ void __launch_bounds__(kGateThreads) moe_gate_kernel(const T* x, const W* __restrict__ w,
-                                                                float* __restrict__ logits, int n_tokens, int64_t dim,
-                                                                int64_t n_experts) {
+__global__ void __launch_bounds__(kGateThreads) moe_gate_kernel(const T* x, const GemvWeights ws, int n_tokens,
+                                                                int64_t dim, int64_t total_rows) {
   constexpr int kE = 16 / sizeof(W);  // weights a 16-byte load
   __shared__ float part[kGateThreads / 32][moe_gate_max_tokens];
   const int tr = threadIdx.x % kGateRowThreads, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t e = static_cast<int64_t>(blockIdx.x) * (kGateThreads / kGateRowThreads) + threadIdx.x / kGateRowThreads;
-  const bool live = e < n_experts;
-  const W* wr = w + (live ? e : 0) * dim;
+  const bool live = e < total_rows;
+  const GemvRow row = gemv_row(ws, e);
+  const W* wr = static_cast<const W*>(row.w) + (live ? e - row.start : 0) * dim;
   const int64_t nq = dim / kE;
   uint4 wv[kGateU];
   auto load_w = [&](int64_t q0) {
@@ -283,11 +300,12 @@ __global__ void __launch_bounds__(kGateThreads) moe_gate_kernel(const T* x, cons
   constexpr int kWarpsPerRow = kGateRowThreads / 32;
   const int rl = threadIdx.x / moe_gate_max_tokens, t = threadIdx.x % moe_gate_max_tokens;
   const int64_t er = static_cast<int64_t>(blockIdx.x) * (kGateThreads / kGateRowThreads) + rl;
-  if (rl < kGateThreads / kGateRowThreads && t < n_tokens && er < n_experts) {
+  if (rl < kGateThreads / kGateRowThreads && t < n_tokens && er < total_rows) {
     float sum = 0.0f;
 #pragma unroll
     for (int k = 0; k < kWarpsPerRow; ++k) sum += part[rl * kWarpsPerRow + k][t];
-    logits[t * n_experts + er] = sum;
+    const GemvRow o = gemv_row(ws, er);
+    o.out[t * o.rows + (er - o.start)] = sum;
   }
 }
 
@@ -1759,21 +1777,34 @@ MoePlan moe_plan_views(int32_t* workspace, int64_t n_experts, int64_t n_pairs) {
   return p;
 }
 
-cudaError_t moe_gate_launch(const void* x, int dtype, const void* weight, bool weight_bf16, int64_t n_tokens,
-                            int64_t dim, int64_t n_experts, float* logits, cudaStream_t stream, bool pdl) {
-  if (n_tokens < 1 || n_tokens > moe_gate_max_tokens || dim % 8 != 0) return cudaErrorInvalidValue;
+cudaError_t moe_gemv_launch(const void* x, int dtype, const GemvWeights& ws, bool weight_bf16, int64_t n_tokens,
+                            int64_t dim, cudaStream_t stream, bool pdl) {
+  if (n_tokens < 1 || n_tokens > moe_gate_max_tokens || dim % 8 != 0 || ws.n < 1 || ws.n > moe_gemv_max_weights) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t total = ws.end[ws.n - 1];
+  if (total <= 0) return cudaSuccess;
   const int rows = kGateThreads / kGateRowThreads;
-  const dim3 grid(static_cast<unsigned>((n_experts + rows - 1) / rows));
+  const dim3 grid(static_cast<unsigned>((total + rows - 1) / rows));
   return with_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     if (weight_bf16) {
       return launch(moe_gate_kernel<T, __nv_bfloat16>, grid, dim3(kGateThreads), 0, stream, pdl,
-                    static_cast<const T*>(x), static_cast<const __nv_bfloat16*>(weight), logits,
-                    static_cast<int>(n_tokens), dim, n_experts);
+                    static_cast<const T*>(x), ws, static_cast<int>(n_tokens), dim, total);
     }
-    return launch(moe_gate_kernel<T, float>, grid, dim3(kGateThreads), 0, stream, pdl, static_cast<const T*>(x),
-                  static_cast<const float*>(weight), logits, static_cast<int>(n_tokens), dim, n_experts);
+    return launch(moe_gate_kernel<T, float>, grid, dim3(kGateThreads), 0, stream, pdl, static_cast<const T*>(x), ws,
+                  static_cast<int>(n_tokens), dim, total);
   });
+}
+
+cudaError_t moe_gate_launch(const void* x, int dtype, const void* weight, bool weight_bf16, int64_t n_tokens,
+                            int64_t dim, int64_t n_experts, float* logits, cudaStream_t stream, bool pdl) {
+  GemvWeights ws{};
+  ws.w[0] = weight;
+  ws.out[0] = logits;
+  ws.end[0] = n_experts;
+  ws.n = 1;
+  return moe_gemv_launch(x, dtype, ws, weight_bf16, n_tokens, dim, stream, pdl);
 }
 
 cudaError_t moe_route_launch(const float* logits, const void* bias, bool bias_bf16, int64_t n_tokens, int n_experts,

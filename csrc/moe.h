@@ -17,6 +17,19 @@ constexpr int moe_gate_max_tokens = 8;
 cudaError_t moe_gate_launch(const void* x, int dtype, const void* weight, bool weight_bf16, int64_t n_tokens,
                             int64_t dim, int64_t n_experts, float* logits, cudaStream_t stream, bool pdl);
 
+// The same product for up to moe_gemv_max_weights weights of one type (fp32, or bf16 when weight_bf16), each
+// [rows_i, D] with its own fp32 output [T, rows_i] (out_i = x . w_i^T, as moe_gate): the rows of all of them form one
+// grid, 2 a CTA, so the projections of one x take one launch. T <= moe_gate_max_tokens, D % 8 == 0.
+constexpr int moe_gemv_max_weights = 6;
+struct GemvWeights {
+  const void* w[moe_gemv_max_weights];
+  float* out[moe_gemv_max_weights];
+  int64_t end[moe_gemv_max_weights];  // cumulative rows: weight i holds grid rows [end[i - 1], end[i])
+  int n;                              // weights, 1 .. moe_gemv_max_weights
+};
+cudaError_t moe_gemv_launch(const void* x, int dtype, const GemvWeights& ws, bool weight_bf16, int64_t n_tokens,
+                            int64_t dim, cudaStream_t stream, bool pdl);
+
 // Top-k router: logits [T, E] fp32; bias [E] fp32 (bias_bf16: bf16). weights [T, k] fp32, ids [T, k] int32.
 cudaError_t moe_route_launch(const float* logits, const void* bias, bool bias_bf16, int64_t n_tokens, int n_experts,
                              int topk, float scale, float* weights, int32_t* ids, cudaStream_t stream, bool pdl);

@@ -55,15 +55,6 @@ def fp32_proj_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def linear_fp32(x: Tensor, weight: Tensor) -> Tensor:
-    """x @ weight.T in fp32, as the reference's upcast GEMM: the router's logits op (`moe_gate`), which is this product
-    for an fp32 or bf16 weight. With bf16 operands every product is exact in fp32 and the sum is accumulated in fp32,
-    so only the summation order differs from the upcast form. On CUDA, up to 8 tokens its GEMV kernel streams the
-    weight once (cuBLAS's bf16 GEMM takes 5.2-5.5 us at one token for 64 or 256 outputs); above that, one cuBLAS
-    GEMM with an fp32 output (tensor cores) instead of an fp32 GEMM."""
-    return moe.moe_gate(x, weight)
-
-
 class Compressor(nn.Module):
     """Projections and parameters of one compressor (run in fp32, as the official reference runs them)."""
 
@@ -76,13 +67,12 @@ class Compressor(nn.Module):
         self.position_bias = _param(ratio, c * width, dtype=torch.float32)
         self.kv_norm = Norm(width)
 
-    def rows(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """The step's (kv, score) rows [T, c*d] fp32."""
-        return linear_fp32(x, self.kv_proj.weight), linear_fp32(x, self.gate_proj.weight)
+    def proj_weights(self) -> tuple[Tensor, Tensor]:
+        """The weights of the step's (kv, score) rows [T, c*d], computed in fp32 (`moe.linear_fp32`)."""
+        return self.kv_proj.weight, self.gate_proj.weight
 
-    def update(self, x: Tensor, st: StepTensors, inv_freq: Tensor, kv_state: Tensor, score_state: Tensor,
-               entries: Tensor, quant: int, eps: float, dtype: torch.dtype) -> None:
-        kv, score = self.rows(x)
+    def update(self, kv: Tensor, score: Tensor, st: StepTensors, inv_freq: Tensor, kv_state: Tensor,
+               score_state: Tensor, entries: Tensor, quant: int, eps: float, dtype: torch.dtype) -> None:
         compressor.compressor_update(kv, score, self.position_bias, self.kv_norm.weight, inv_freq, kv_state,
                                      score_state, entries, st.req_slot, st.positions, st.start_pos, st.end_pos,
                                      st.block_table, self.ratio, self.overlap, quant, eps, dtype)
@@ -143,10 +133,14 @@ class Attention(nn.Module):
             comp = self.compressor
             entries, ratio = lc.entries, comp.ratio
             if self.layer_type != CSA:
-                comp.update(x, st, inv_freq, lc.kv_state, lc.score_state, lc.entries, lc.main_quant, eps, x.dtype)
+                kv_m, sc_m = moe.linear_fp32(x, *comp.proj_weights())
+                comp.update(kv_m, sc_m, st, inv_freq, lc.kv_state, lc.score_state, lc.entries, lc.main_quant, eps,
+                            x.dtype)
             else:  # the main and indexer compressors in one op (one launch at decode)
                 ix = comp.indexer
-                (kv_m, sc_m), (kv_i, sc_i) = comp.rows(x), ix.rows(x)
+                # the layer's five fp32-result projections of x: one launch at decode
+                kv_m, sc_m, kv_i, sc_i, w = moe.linear_fp32(x, *comp.proj_weights(), *ix.proj_weights(),
+                                                            ix.scorer.weights_proj.weight)
                 compressor.compressor_update_pair(
                     kv_m, sc_m, comp.position_bias, comp.kv_norm.weight, lc.kv_state, lc.score_state, lc.entries,
                     lc.main_quant, kv_i, sc_i, ix.position_bias, ix.kv_norm.weight, lc.idx_kv_state,
@@ -156,7 +150,7 @@ class Attention(nn.Module):
                 qi = rope_rotate(qi, *rot)
                 if lc.idx_quant != QUANT_NONE:  # official: Hadamard + FP4 on the indexer query too
                     qi = idx_fp4_hadamard_fake_quant(qi)
-                w = linear_fp32(x, ix.scorer.weights_proj.weight) * (ix.n_heads**-0.5 * ix.head_dim**-0.5)
+                w = w * (ix.n_heads**-0.5 * ix.head_dim**-0.5)
                 entry_idx = indexer.indexer_topk(qi, w, lc.idx_entries, st.req_slot, st.positions, st.block_table,
                                                  ratio, ix.topk)
 

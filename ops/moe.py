@@ -1,5 +1,6 @@
 """MoE family: router logits (fp32 gate), top-k router (sqrt-softplus, bias for selection only), hash router,
-routed + shared experts.
+routed + shared experts; and `linear_fp32`, the router logits' product for several weights at once (the model's
+compressor and indexer-scorer projections: one launch a layer at decode).
 
 Routing weights come from the unbiased scores, renormalised over the chosen experts and multiplied
 by the routed scaling factor. Experts use the clamped SwiGLU: silu(min(g, L)) * clamp(u, -L, L).
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 torch.library.define("dsv4rt::moe_gate", "(Tensor x, Tensor weight) -> Tensor")
+torch.library.define("dsv4rt::linear_fp32", "(Tensor x, Tensor[] weights) -> Tensor[]")
 torch.library.define("dsv4rt::moe_route", "(Tensor logits, Tensor bias, int topk, float scale) -> (Tensor, Tensor)")
 torch.library.define(
     "dsv4rt::moe_hash_route", "(Tensor logits, Tensor tid2eid, Tensor token_ids, float scale) -> (Tensor, Tensor)"
@@ -29,6 +31,23 @@ def _moe_gate_fake(x, weight):
     torch._check(weight.dtype in (torch.float32, torch.bfloat16),
                  lambda: "moe_gate: weight must be float32 or bfloat16")
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+def _check_linear_fp32(x: Tensor, weights: list[Tensor]) -> None:
+    torch._check(x.dim() == 2, lambda: f"linear_fp32: x must be [T, K], got {tuple(x.shape)}")
+    torch._check(len(weights) > 0, lambda: "linear_fp32: no weights")
+    for i, w in enumerate(weights):
+        torch._check(w.dim() == 2 and w.shape[1] == x.shape[1],
+                     lambda: f"linear_fp32: weight {i} must be [N, K] with K = {x.shape[1]} (x's width), got "
+                             f"{tuple(w.shape)}")
+        torch._check(w.dtype in (torch.float32, torch.bfloat16),
+                     lambda: f"linear_fp32: weight {i} must be float32 or bfloat16, got {w.dtype}")
+
+
+@torch.library.register_fake("dsv4rt::linear_fp32")
+def _linear_fp32_fake(x, weights):
+    _check_linear_fp32(x, weights)
+    return [x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32) for w in weights]
 
 
 @torch.library.register_fake("dsv4rt::moe_route")
@@ -77,6 +96,13 @@ def moe_gate_ref(x: Tensor, weight: Tensor) -> Tensor:
     return F.linear(x.float(), weight.float())
 
 
+def linear_fp32_ref(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
+    """Reference: [F.linear(x.float(), w.float()) for w in weights] (each weight as moe_gate takes it)."""
+    _check_linear_fp32(x, weights)
+    x32 = x.float()
+    return [F.linear(x32, w.float()) for w in weights]
+
+
 def moe_route_ref(logits: Tensor, bias: Tensor, topk: int, scale: float) -> tuple[Tensor, Tensor]:
     scores = sqrt_softplus(logits)
     ids = torch.topk(scores + bias.float(), topk, dim=-1).indices
@@ -121,6 +147,7 @@ def moe_experts_ref(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Te
 
 
 torch.library.impl("dsv4rt::moe_gate", "CompositeExplicitAutograd", moe_gate_ref)
+torch.library.impl("dsv4rt::linear_fp32", "CompositeExplicitAutograd", linear_fp32_ref)
 torch.library.impl("dsv4rt::moe_route", "CompositeExplicitAutograd", moe_route_ref)
 torch.library.impl("dsv4rt::moe_hash_route", "CompositeExplicitAutograd", moe_hash_route_ref)
 torch.library.impl("dsv4rt::moe_experts", "CompositeExplicitAutograd", moe_experts_ref)
@@ -128,9 +155,19 @@ torch.library.impl("dsv4rt::moe_experts", "CompositeExplicitAutograd", moe_exper
 
 def moe_gate(x: Tensor, weight: Tensor) -> Tensor:
     """Router logits. Shapes: x [T, D] (any float dtype), weight [E, D] fp32 or bf16 -> [T, E] fp32 (both cast to
-    fp32 first). The model's other fp32-result projections (compressors, indexer scorer) call it too
-    (`dsv4rt.model.linear_fp32`)."""
+    fp32 first)."""
     return torch.ops.dsv4rt.moe_gate.default(x, weight)
+
+
+def linear_fp32(x: Tensor, *weights: Tensor) -> list[Tensor]:
+    """x @ w.T in fp32 for each weight, as `moe_gate` computes it: with bf16 operands every product is exact in fp32
+    and the sums are fp32, so only the summation order differs from the reference's upcast GEMM.
+
+    Shapes: x [T, K] (any float dtype), each weight [N_i, K] fp32 or bf16 -> [T, N_i] fp32 each. On CUDA, up to 8
+    tokens and 6 weights of one dtype take one GEMV launch (moe_gate's kernel over all their rows); otherwise one
+    GEMM a weight (bf16: cuBLAS with an fp32 output). Capture-safe.
+    """
+    return list(torch.ops.dsv4rt.linear_fp32.default(x.contiguous(), list(weights)))
 
 
 def moe_route(logits: Tensor, bias: Tensor, topk: int, scale: float) -> tuple[Tensor, Tensor]:

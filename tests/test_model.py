@@ -1,11 +1,11 @@
 """The projections the reference runs in fp32 (compressors, indexer scorer, router): their weight dtypes, and
-`linear_fp32` against a float64 product."""
+`linear_fp32` (ops/moe.py) against a float64 product."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import dsv4rt
-from dsv4rt.model import linear_fp32
+from dsv4rt.ops.moe import linear_fp32
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 FP32_PROJ = ("compressor.kv_proj.weight", "compressor.gate_proj.weight", "indexer.kv_proj.weight",
@@ -25,16 +25,33 @@ def test_fp32_projection_weight_dtypes(dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tokens", [1, 8, 9, 64, 513])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
-def test_linear_fp32(device, tokens, wdtype):
-    """fp32 output; bf16 operands give every product exactly, so only the fp32 summation order differs from a
-    float64 product. On CUDA up to 8 tokens take moe_gate's GEMV kernel, more a cuBLAS GEMM."""
+@pytest.mark.parametrize("rows", [(300,), (64, 1, 300, 2, 130), (8, 8, 8, 8, 8, 8, 8)])
+def test_linear_fp32(device, tokens, wdtype, rows):
+    """fp32 outputs, one a weight; bf16 operands give every product exactly, so only the fp32 summation order differs
+    from a float64 product. On CUDA up to 8 tokens and 6 weights take one GEMV launch (odd row counts put two
+    weights' rows in one CTA), more a GEMM a weight."""
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, 1024, generator=g).to(device=device, dtype=torch.bfloat16)
-    w = (torch.randn(300, 1024, generator=g) * 0.02).to(device=device, dtype=wdtype)
-    got = linear_fp32(x, w)
-    want = F.linear(x.double(), w.double())
-    assert got.dtype == torch.float32 and got.shape == (tokens, 300)
-    assert ((got.double() - want).abs().max() / want.abs().max()).item() <= 1e-5
+    ws = [(torch.randn(n, 1024, generator=g) * 0.02).to(device=device, dtype=wdtype) for n in rows]
+    got = linear_fp32(x, *ws)
+    assert len(got) == len(ws)
+    for w, out in zip(ws, got):
+        want = F.linear(x.double(), w.double())
+        assert out.dtype == torch.float32 and out.shape == (tokens, w.shape[0]) and out.is_contiguous()
+        assert ((out.double() - want).abs().max() / want.abs().max()).item() <= 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_fp32_errors(device):
+    x = torch.zeros(2, 64, device=device)
+    with pytest.raises(Exception, match="weight 1 must be \\[N, K\\] with K = 64"):
+        linear_fp32(x, torch.zeros(3, 64, device=device), torch.zeros(3, 32, device=device))
+    with pytest.raises(Exception, match="weight 0 must be float32 or bfloat16"):
+        linear_fp32(x, torch.zeros(3, 64, device=device, dtype=torch.float16))
+    with pytest.raises(Exception, match="no weights"):
+        linear_fp32(x)
+    with pytest.raises(Exception, match="x must be \\[T, K\\]"):
+        linear_fp32(x[0], torch.zeros(3, 64, device=device))
 
 
 def _run(model, prompt, decodes=6):

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4rt.ops.moe import (clamped_swiglu, moe_experts, moe_experts_ref, moe_gate, moe_gate_ref, moe_hash_route,
-                            moe_hash_route_ref, moe_route, moe_route_ref)
+from dsv4rt.ops.moe import (clamped_swiglu, linear_fp32, linear_fp32_ref, moe_experts, moe_experts_ref, moe_gate,
+                            moe_gate_ref, moe_hash_route, moe_hash_route_ref, moe_route, moe_route_ref)
 from factories import (assert_trace_matches_reference, moe_experts_inputs, moe_hash_route_inputs, moe_route_inputs,
                        ref_result, to_device)
 
@@ -27,8 +27,16 @@ def moe_gate_inputs(device, n_tokens: int = 7, dtype=torch.bfloat16, seed: int =
     return to_device((x, torch.randn(8, x.shape[1], generator=g) * x.shape[1] ** -0.5), device)
 
 
+def linear_fp32_inputs(device, n_tokens: int = 7, seed: int = 0) -> tuple:
+    """(x [T, D] bf16, [the gate weight [8, D], a second fp32 weight [3, D]])."""
+    x, w = moe_gate_inputs(device, n_tokens, seed=seed)
+    w2 = torch.randn(3, x.shape[1], generator=torch.Generator().manual_seed(seed + 2)) * x.shape[1] ** -0.5
+    return x, [w, w2.to(device)]
+
+
 OPS = {  # case -> (op name, factory, reference, wrapper)
     "moe_gate": ("moe_gate", moe_gate_inputs, moe_gate_ref, moe_gate),
+    "linear_fp32": ("linear_fp32", linear_fp32_inputs, linear_fp32_ref, lambda x, ws: linear_fp32(x, *ws)),
     "moe_route": ("moe_route", moe_route_inputs, moe_route_ref, moe_route),
     "moe_hash_route": ("moe_hash_route", moe_hash_route_inputs, moe_hash_route_ref, moe_hash_route),
     "moe_experts": ("moe_experts", moe_experts_inputs, moe_experts_ref, moe_experts),
