@@ -45,14 +45,18 @@ void check_table(const char* op, const at::Tensor& x, const at::Tensor& cos, con
               num(x.size(-1)));
 }
 
+void check_norm_weight(const char* op, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1 && weight.is_contiguous() &&
+                  weight.size(0) == x.size(-1),
+              op, ": weight must be contiguous float32 [D] with D = x.size(-1) = ", num(x.size(-1)), ", got ",
+              c10::toString(weight.scalar_type()), " ", shape_str(weight.sizes()));
+  TORCH_CHECK(weight.device() == x.device(), op, ": tensors on different devices");
+}
+
 at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int code = dtype_code("rms_norm", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1 && x.is_contiguous(), "rms_norm: x must be contiguous");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1 && weight.is_contiguous() &&
-                  weight.size(0) == x.size(-1),
-              "rms_norm: weight must be contiguous float32 [D] with D = x.size(-1) = ", num(x.size(-1)), ", got ",
-              c10::toString(weight.scalar_type()), " ", shape_str(weight.sizes()));
-  TORCH_CHECK(weight.device() == x.device(), "rms_norm: tensors on different devices");
+  check_norm_weight("rms_norm", x, weight);
   at::Tensor out = at::empty_like(x);
   const int64_t d = x.size(-1);
   if (x.numel() == 0) return out;
@@ -85,6 +89,42 @@ at::Tensor rope_rotate_cuda(const at::Tensor& x, const at::Tensor& cos, const at
 at::Tensor head_norm_rope_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, double eps) {
   TORCH_CHECK(x.dim() == 3, "head_norm_rope: x must be [T, H, D], got ", shape_str(x.sizes()));
   return rope_rows("head_norm_rope", x, cos, sin, true, false, eps);
+}
+
+at::Tensor kv_norm_rope_quant_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos,
+                                   const at::Tensor& sin, double eps, bool fp8) {
+  const char* op = "kv_norm_rope_quant";
+  const int code = dtype_code(op, x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [T, D], got ", shape_str(x.sizes()));
+  check_table(op, x, cos, sin);
+  check_norm_weight(op, x, weight);
+  const int64_t tokens = x.size(0), d = x.size(1), half = cos.size(1), nope = d - 2 * half;
+  TORCH_CHECK(!fp8 || (nope > 0 && nope % 64 == 0), op, ": with fp8, width - rope_dim must be a positive multiple "
+              "of 64, got width ", num(d), " and rope_dim ", num(2 * half));
+  at::Tensor out = at::empty_like(x);
+  if (x.numel() == 0) return out;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const float e = static_cast<float>(eps);
+  const float* w = weight.data_ptr<float>();
+  const float* cs = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  if (dsv4rt::kv_norm_rope_quant_launch(x.data_ptr(), w, cs, sn, out.data_ptr(), code, tokens, d, half, fp8, e,
+                                        stream)) {
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return out;
+  }
+  // a shape the one-launch kernel does not take: the three ops' launches
+  at::Tensor normed = at::empty_like(x);
+  dsv4rt::rms_norm_launch(x.data_ptr(), w, normed.data_ptr(), code, tokens, d, e, stream);
+  dsv4rt::rope_rows_launch(normed.data_ptr(), cs, sn, out.data_ptr(), code, tokens, 1, d, half, false, false, 0.0f,
+                           stream);
+  if (fp8) {
+    dsv4rt::kv_fp8_fake_quant_launch(out.data_ptr(), normed.data_ptr(), code, tokens, d, 2 * half, stream);
+    out = normed;
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
 }
 
 at::Tensor kv_fp8_fake_quant_cuda(const at::Tensor& x, int64_t rope_dim) {
@@ -125,5 +165,6 @@ TORCH_LIBRARY_IMPL(dsv4rt, CUDA, m) {
   m.impl("rope_rotate", &rope_rotate_cuda);
   m.impl("head_norm_rope", &head_norm_rope_cuda);
   m.impl("kv_fp8_fake_quant", &kv_fp8_fake_quant_cuda);
+  m.impl("kv_norm_rope_quant", &kv_norm_rope_quant_cuda);
   m.impl("idx_fp4_hadamard_fake_quant", &idx_fp4_hadamard_fake_quant_cuda);
 }

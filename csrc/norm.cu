@@ -72,32 +72,41 @@ __device__ __forceinline__ void load_w(const float* p, float (&f)[V]) {
   }
 }
 
+// rsqrt(mean(x^2) + eps) of row xr (d = groups * V channels) in a fixed sum order: each thread's groups in turn, a
+// warp butterfly, then the warps in index order. Every thread of the CTA (kNormThreads) calls it; s_part holds
+// kNormThreads / 32 floats.
+template <typename T, int V>
+__device__ __forceinline__ float row_rms_factor(const T* xr, int64_t groups, float inv_d, float eps, float* s_part) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float acc = 0.0f;
+#pragma unroll 2
+  for (int64_t g = threadIdx.x; g < groups; g += kNormThreads) {
+    float f[V];
+    load_v<T, V>(xr + g * V, f);
+#pragma unroll
+    for (int i = 0; i < V; ++i) acc = __fadd_rn(acc, __fmul_rn(f[i], f[i]));
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) s_part[warp] = acc;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kNormThreads / 32; ++i) total += s_part[i];
+  const float rr = rsqrtf(__fadd_rn(__fmul_rn(total, inv_d), eps));
+  __syncthreads();  // s_part is the next row's
+  return rr;
+}
+
 template <typename T, int V>
 __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(const T* __restrict__ x, const float* __restrict__ w,
                                                                 T* __restrict__ out, int64_t rows, int64_t d,
                                                                 float inv_d, float eps) {
   __shared__ float s_part[kNormThreads / 32];
   const int64_t groups = d / V;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll 1
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * d;
-    float acc = 0.0f;
-#pragma unroll 2
-    for (int64_t g = threadIdx.x; g < groups; g += kNormThreads) {
-      float f[V];
-      load_v<T, V>(xr + g * V, f);
-#pragma unroll
-      for (int i = 0; i < V; ++i) acc = __fadd_rn(acc, __fmul_rn(f[i], f[i]));
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) s_part[warp] = acc;
-    __syncthreads();
-    float total = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kNormThreads / 32; ++i) total += s_part[i];
-    const float rr = rsqrtf(__fadd_rn(__fmul_rn(total, inv_d), eps));
-    __syncthreads();  // s_part is the next row's
+    const float rr = row_rms_factor<T, V>(xr, groups, inv_d, eps, s_part);
     T* orow = out + r * d;
 #pragma unroll 2
     for (int64_t g = threadIdx.x; g < groups; g += kNormThreads) {
@@ -184,6 +193,71 @@ __global__ void __launch_bounds__(kRowWarps * 32) kv_fp8_fake_quant_kernel(const
     } else {
       for (int64_t i = nope + lane; i < d; i += 32) orow[i] = Num<T>::store(round_to<__nv_bfloat16>(Num<T>::load(xr[i])));
     }
+  }
+}
+
+// The kv path of an attention layer in one launch: rms_norm (weight w), the rotation of the last 2 * half channels
+// and, with FP8, the FP8 row format's quantise-dequantise, each value rounded where rms_norm_kernel,
+// rope_rows_kernel<NORM = false> and kv_fp8_fake_quant_kernel round it (to T after the norm and after the rotation;
+// the nope channels through e4m3 in blocks of 64; the rope channels to bf16), so it equals those three launches bit
+// for bit. One CTA a row; thread g holds the row's group g of V channels (d / V <= kNormThreads; d - 2 * half a
+// multiple of V, and of 64 with FP8). An FP8 block's 64 / V threads are consecutive lanes of one warp.
+template <typename T, int V, bool FP8>
+__global__ void __launch_bounds__(kNormThreads) kv_norm_rope_quant_kernel(const T* __restrict__ x,
+                                                                          const float* __restrict__ w,
+                                                                          const float* __restrict__ cs,
+                                                                          const float* __restrict__ sn,
+                                                                          T* __restrict__ out, int64_t rows,
+                                                                          int64_t d, int64_t half, float inv_d,
+                                                                          float eps) {
+  static_assert(V >= 2 && 64 % V == 0, "an FP8 block is whole groups within one warp");
+  __shared__ float s_part[kNormThreads / 32];
+  const int64_t groups = d / V, tail = d - 2 * half, g = threadIdx.x;
+  const bool mine = g < groups, rope = g * V >= tail;
+#pragma unroll 1
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* xr = x + r * d;
+    const float rr = row_rms_factor<T, V>(xr, groups, inv_d, eps, s_part);
+    float f[V];
+    float amax = 0.0f;
+    if (mine) {
+      float wv[V];
+      load_v<T, V>(xr + g * V, f);
+      load_w<V>(w + g * V, wv);
+#pragma unroll
+      for (int i = 0; i < V; ++i) f[i] = round_to<T>(__fmul_rn(wv[i], __fmul_rn(f[i], rr)));
+      if (rope) {  // pairs (tail + 2j, tail + 2j + 1), j = j0 .. j0 + V / 2 - 1
+        const int64_t j0 = (g * V - tail) / 2;
+        const float* cr = cs + r * half + j0;
+        const float* sr = sn + r * half + j0;
+#pragma unroll
+        for (int p = 0; p < V / 2; ++p) {
+          const float a = f[2 * p], b = f[2 * p + 1], c = cr[p], sv = sr[p];
+          const float ac = __fmul_rn(a, c), bs = __fmul_rn(b, sv), bc = __fmul_rn(b, c), as = __fmul_rn(a, sv);
+          f[2 * p] = round_to<T>(__fsub_rn(ac, bs));
+          f[2 * p + 1] = round_to<T>(__fadd_rn(bc, as));
+        }
+        if constexpr (FP8) {
+#pragma unroll
+          for (int i = 0; i < V; ++i) f[i] = round_to<T>(round_to<__nv_bfloat16>(f[i]));
+        }
+      } else if constexpr (FP8) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) amax = fmaxf(amax, fabsf(f[i]));
+      }
+    }
+    if constexpr (FP8) {
+      // the block's amax over its 64 / V lanes; every lane takes part (rope lanes' blocks are theirs alone: tail is
+      // a multiple of 64)
+#pragma unroll
+      for (int o = 1; o < 64 / V; o *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      if (mine && !rope) {
+        const float scale = exp2_int(pow2_scale_exp(amax, kFp8AmaxFloor, kFp8InvMax));
+#pragma unroll
+        for (int i = 0; i < V; ++i) f[i] = __fmul_rn(fp8_decode(fp8_encode(f[i], scale)), scale);
+      }
+    }
+    if (mine) store_v<T, V>(out + r * d + g * V, f);
   }
 }
 
@@ -335,6 +409,29 @@ void kv_fp8_fake_quant_launch(const void* x, void* out, int dtype, int64_t rows,
 }
 
 template <typename T>
+bool kv_norm_rope_quant_typed(const void* x, const float* w, const float* cs, const float* sn, void* out,
+                              int64_t rows, int64_t d, int64_t half, bool fp8, float eps, cudaStream_t stream) {
+  constexpr int kV = 16 / sizeof(T);
+  const int64_t tail = d - 2 * half;
+  if (d % kV != 0 || tail % kV != 0 || tail < 0 || d / kV > kNormThreads || (fp8 && (tail <= 0 || tail % 64 != 0)) ||
+      !aligned16(x) || !aligned16(w) || !aligned16(out)) {
+    return false;
+  }
+  const int grid = static_cast<int>(rows < 8LL * num_sms() ? rows : 8LL * num_sms());
+  const float inv_d = 1.0f / static_cast<float>(d);
+  const T* xt = static_cast<const T*>(x);
+  T* ot = static_cast<T*>(out);
+  if (fp8) {
+    kv_norm_rope_quant_kernel<T, kV, true><<<grid, kNormThreads, 0, stream>>>(xt, w, cs, sn, ot, rows, d, half, inv_d,
+                                                                               eps);
+  } else {
+    kv_norm_rope_quant_kernel<T, kV, false><<<grid, kNormThreads, 0, stream>>>(xt, w, cs, sn, ot, rows, d, half,
+                                                                                inv_d, eps);
+  }
+  return true;
+}
+
+template <typename T>
 void idx_fp4_typed(const void* x, void* out, int64_t rows, int64_t d, float inv_sqrt_d, int grid,
                    cudaStream_t stream) {
   const T* xt = static_cast<const T*>(x);
@@ -356,6 +453,16 @@ void idx_fp4_hadamard_fake_quant_launch(const void* x, void* out, int dtype, int
     case 0: idx_fp4_typed<float>(x, out, rows, d, inv_sqrt_d, grid, stream); break;
     case 1: idx_fp4_typed<__nv_bfloat16>(x, out, rows, d, inv_sqrt_d, grid, stream); break;
     default: idx_fp4_typed<__half>(x, out, rows, d, inv_sqrt_d, grid, stream); break;
+  }
+}
+
+bool kv_norm_rope_quant_launch(const void* x, const float* w, const float* cos, const float* sin, void* out, int dtype,
+                               int64_t rows, int64_t d, int64_t half, bool fp8, float eps, cudaStream_t stream) {
+  if (rows <= 0 || d <= 0) return true;
+  switch (dtype) {
+    case 0: return kv_norm_rope_quant_typed<float>(x, w, cos, sin, out, rows, d, half, fp8, eps, stream);
+    case 1: return kv_norm_rope_quant_typed<__nv_bfloat16>(x, w, cos, sin, out, rows, d, half, fp8, eps, stream);
+    default: return kv_norm_rope_quant_typed<__half>(x, w, cos, sin, out, rows, d, half, fp8, eps, stream);
   }
 }
 

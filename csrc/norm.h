@@ -30,4 +30,12 @@ void kv_fp8_fake_quant_launch(const void* x, void* out, int dtype, int64_t rows,
 void idx_fp4_hadamard_fake_quant_launch(const void* x, void* out, int dtype, int64_t rows, int64_t d, float inv_sqrt_d,
                                         cudaStream_t stream);
 
+// x, out [rows, d]; w [d] fp32; cos, sin [rows, half] fp32: rms_norm_launch, then rope_rows_launch (no norm, not
+// inverse) on its output, then (fp8) kv_fp8_fake_quant_launch with rope_dim = 2 * half, in one launch and bit for bit.
+// Returns false, launching nothing, where that kernel does not apply (d or d - 2 * half not a multiple of 16 bytes,
+// more than 256 such groups, with fp8 d - 2 * half not a positive multiple of 64, x / w / out not 16-byte aligned):
+// the caller then runs the three.
+bool kv_norm_rope_quant_launch(const void* x, const float* w, const float* cos, const float* sin, void* out, int dtype,
+                               int64_t rows, int64_t d, int64_t half, bool fp8, float eps, cudaStream_t stream);
+
 }  // namespace dsv4rt

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from dsv4rt.ops import attention, compressor, indexer, mhc, moe, swa
 from dsv4rt.ops.kv_quant import QUANT_NONE
-from dsv4rt.ops.norm import (head_norm_rope, idx_fp4_hadamard_fake_quant, kv_fp8_fake_quant, rms_norm,
+from dsv4rt.ops.norm import (head_norm_rope, idx_fp4_hadamard_fake_quant, kv_norm_rope_quant, rms_norm,
                              rope_rotate)
 from dsv4rt.ops.rope import rope_table
 
@@ -123,10 +123,9 @@ class Attention(nn.Module):
         qr = rms_norm(F.linear(x, self.q_a_proj.weight), self.q_a_norm.weight, eps)
         q = F.linear(qr, self.q_b_proj.weight).view(n_tok, cfg.num_heads, cfg.head_dim)
         q = head_norm_rope(q, *rot, eps)  # per-head RMSNorm without weight, then RoPE
-        kv = rms_norm(F.linear(x, self.kv_proj.weight), self.kv_norm.weight, eps)
-        kv = rope_rotate(kv, *rot)
-        if lc.main_quant != QUANT_NONE:  # official numerics: the kv row is FP8 from here on
-            kv = kv_fp8_fake_quant(kv, rd)
+        # norm, RoPE and, with FP8 caches, the row's FP8 fake quant (official numerics: the kv row is FP8 from here on)
+        kv = kv_norm_rope_quant(F.linear(x, self.kv_proj.weight), self.kv_norm.weight, *rot, eps,
+                                lc.main_quant != QUANT_NONE)
 
         entries, entry_idx, ratio = None, None, 1
         if self.layer_type != SLIDING:

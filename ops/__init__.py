@@ -22,11 +22,12 @@ from . import attention, compressor, indexer, kv_quant, mhc, moe, norm, rope, sw
 STEP_OPS = (
     "swa_cache_write", "compressor_update", "compressor_update_pair", "indexer_topk", "sparse_attn",
     "moe_gate", "linear_fp32", "moe_route", "moe_hash_route", "moe_experts", "hc_pre", "hc_post", "hc_head",
-    "rms_norm", "rope_rotate", "head_norm_rope", "kv_fp8_fake_quant", "idx_fp4_hadamard_fake_quant",
+    "rms_norm", "rope_rotate", "head_norm_rope", "kv_norm_rope_quant", "idx_fp4_hadamard_fake_quant",
 )
 # ... and every op of the namespace: the standalone FP8/FP4 row codecs serve tests and tools (the cache-write
 # kernels quantise inside their own launch).
-OPS = STEP_OPS + ("kv_fp8_quantize", "kv_fp8_dequantize", "idx_fp4_quantize", "idx_fp4_dequantize")
+OPS = STEP_OPS + ("kv_fp8_fake_quant", "kv_fp8_quantize", "kv_fp8_dequantize", "idx_fp4_quantize",
+                  "idx_fp4_dequantize")
 
 CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 

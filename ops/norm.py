@@ -11,6 +11,8 @@ numerics: the rotations bit for bit, the norms up to the order of their fp32 sum
   x's dtype, as the model computes it), then the rotation.
 * `kv_fp8_fake_quant(x, rope_dim)`: the kv row as the FP8 cache holds it (`ops.kv_quant.kv_fp8_fake_quant`).
 * `idx_fp4_hadamard_fake_quant(x)`: the indexer query's Hadamard transform and FP4 rounding.
+* `kv_norm_rope_quant(x, weight, cos, sin, eps, fp8)`: an attention layer's kv path, `rms_norm`, then `rope_rotate`,
+  then (fp8) `kv_fp8_fake_quant`, in one launch and bit for bit with the three.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ torch.library.define("dsv4rt::rope_rotate", "(Tensor x, Tensor cos, Tensor sin, 
 torch.library.define("dsv4rt::head_norm_rope", "(Tensor x, Tensor cos, Tensor sin, float eps) -> Tensor")
 torch.library.define("dsv4rt::kv_fp8_fake_quant", "(Tensor x, int rope_dim) -> Tensor")
 torch.library.define("dsv4rt::idx_fp4_hadamard_fake_quant", "(Tensor x) -> Tensor")
+torch.library.define("dsv4rt::kv_norm_rope_quant",
+                     "(Tensor x, Tensor weight, Tensor cos, Tensor sin, float eps, bool fp8) -> Tensor")
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -70,6 +74,24 @@ def _check_fp4_row(x: Tensor) -> None:
     _check_x("idx_fp4_hadamard_fake_quant", x, 1)
     torch._check(x.shape[-1] in (32, 64, 128, 256),
                  lambda: f"idx_fp4_hadamard_fake_quant: the row width must be 32, 64, 128 or 256, got {x.shape[-1]}")
+
+
+def _check_kv_path(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, fp8: bool) -> None:
+    torch._check(x.dim() == 2, lambda: f"kv_norm_rope_quant: x must be [T, D], got {tuple(x.shape)}")
+    _check_table("kv_norm_rope_quant", x, cos, sin)
+    torch._check(weight.dtype == torch.float32 and weight.dim() == 1 and weight.shape[0] == x.shape[-1],
+                 lambda: f"kv_norm_rope_quant: weight must be float32 [{x.shape[-1]}], got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    nope = x.shape[-1] - 2 * cos.shape[1]
+    torch._check(not fp8 or (nope > 0 and nope % 64 == 0),
+                 lambda: f"kv_norm_rope_quant: with fp8, width - rope_dim must be a positive multiple of 64, got "
+                         f"width {x.shape[-1]} and rope_dim {2 * cos.shape[1]}")
+
+
+@torch.library.register_fake("dsv4rt::kv_norm_rope_quant")
+def _kv_norm_rope_quant_fake(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float, fp8: bool) -> Tensor:
+    _check_kv_path(x, weight, cos, sin, fp8)
+    return torch.empty_like(x)
 
 
 @torch.library.register_fake("dsv4rt::kv_fp8_fake_quant")
@@ -134,7 +156,15 @@ def idx_fp4_hadamard_fake_quant_ref(x: Tensor) -> Tensor:
     return _idx_fp4_fake_quant_plain(hadamard(x)).to(x.dtype)
 
 
+def kv_norm_rope_quant_ref(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float, fp8: bool) -> Tensor:
+    """Reference: rms_norm_ref, then rope_rotate_ref, then (fp8) kv_fp8_fake_quant_ref with rope_dim = 2 * half."""
+    _check_kv_path(x, weight, cos, sin, fp8)
+    y = rope_rotate_ref(rms_norm_ref(x, weight, eps), cos, sin, False)
+    return kv_fp8_fake_quant_ref(y, 2 * cos.shape[1]) if fp8 else y
+
+
 torch.library.impl("dsv4rt::kv_fp8_fake_quant", "CompositeExplicitAutograd", kv_fp8_fake_quant_ref)
+torch.library.impl("dsv4rt::kv_norm_rope_quant", "CompositeExplicitAutograd", kv_norm_rope_quant_ref)
 torch.library.impl("dsv4rt::idx_fp4_hadamard_fake_quant", "CompositeExplicitAutograd", idx_fp4_hadamard_fake_quant_ref)
 torch.library.impl("dsv4rt::rms_norm", "CompositeExplicitAutograd", rms_norm_ref)
 torch.library.impl("dsv4rt::rope_rotate", "CompositeExplicitAutograd", rope_rotate_ref)
@@ -181,3 +211,13 @@ def idx_fp4_hadamard_fake_quant(x: Tensor) -> Tensor:
     Shapes: x [..., D], D in {32, 64, 128, 256}. Returns x's shape and dtype. Capture-safe.
     """
     return torch.ops.dsv4rt.idx_fp4_hadamard_fake_quant.default(x.contiguous())
+
+
+def kv_norm_rope_quant(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float, fp8: bool) -> Tensor:
+    """An attention layer's kv path: RMSNorm with an fp32 weight, the rotation of the last rope_dim = 2 * cos.shape[1]
+    channels, then with `fp8` the FP8 row format's quantise-dequantise; one launch on CUDA.
+
+    Shapes: x [T, D]; weight [D] float32; cos, sin [T, rope_dim / 2] float32. Returns x's shape and dtype.
+    Capture-safe.
+    """
+    return torch.ops.dsv4rt.kv_norm_rope_quant.default(x.contiguous(), weight, cos, sin, eps, fp8)

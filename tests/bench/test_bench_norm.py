@@ -1,5 +1,6 @@
-"""Row-norm and rotation ops (rms_norm, rope_rotate, head_norm_rope), CUDA-graph replayed, Flash dims (hidden 4096,
-q_lora 1024, 64 heads of 512 with rope 64, indexer 64 heads of 128), decode T = 1 and 64 and a 2,048-token chunk:
+"""Row-norm and rotation ops (rms_norm, rope_rotate, head_norm_rope, the fake quants, kv_norm_rope_quant),
+CUDA-graph replayed, Flash dims (hidden 4096, q_lora 1024, 64 heads of 512 with rope 64, indexer 64 heads of 128),
+decode T = 1 and 64 and a 2,048-token chunk:
 the native kernels against the references (plain torch, ops/norm.py) on the same card in the same run.
 
 Each graph holds REPEATS calls of one op on fixed inputs; time per call = median replay time / REPEATS.
@@ -12,7 +13,7 @@ import torch
 
 from dsv4rt.ops import norm
 from dsv4rt.ops.norm import (head_norm_rope_ref, idx_fp4_hadamard_fake_quant_ref, kv_fp8_fake_quant_ref,
-                             rms_norm_ref, rope_rotate_ref)
+                             kv_norm_rope_quant_ref, rms_norm_ref, rope_rotate_ref)
 from dsv4rt.ops.rope import rope_table
 from graphtime import capture, median_seconds
 
@@ -30,6 +31,7 @@ CASES = {
     "kv_fp8_fake_quant kv": (norm.kv_fp8_fake_quant, kv_fp8_fake_quant_ref, (512,), 64),
     "idx_fp4_hadamard_fake_quant qi": (norm.idx_fp4_hadamard_fake_quant, idx_fp4_hadamard_fake_quant_ref, (64, 128),
                                        None),
+    "kv_norm_rope_quant kv": (norm.kv_norm_rope_quant, kv_norm_rope_quant_ref, (512,), 64),
 }
 
 
@@ -47,6 +49,8 @@ def _args(case: str, n_tok: int) -> tuple:
     cos, sin = rope_table(pos, inv_freq)
     if case.startswith("head_norm"):
         return x, cos, sin, EPS
+    if case.startswith("kv_norm"):  # the kv path with FP8 caches; its reference is the three ops' plain torch
+        return x, torch.rand(shape[-1], device="cuda") + 0.5, cos, sin, EPS, True
     return x, cos, sin, "inverse" in case
 
 

@@ -14,7 +14,7 @@ import torch
 
 from dsv4rt.ops import norm
 from dsv4rt.ops.norm import (head_norm_rope_ref, idx_fp4_hadamard_fake_quant_ref, kv_fp8_fake_quant_ref,
-                             rms_norm_ref, rope_rotate_ref)
+                             kv_norm_rope_quant_ref, rms_norm_ref, rope_rotate_ref)
 from dsv4rt.ops.rope import rope_table
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -58,6 +58,10 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.dsv4rt.head_norm_rope.default, (x, cos, sin, EPS))
     torch.library.opcheck(torch.ops.dsv4rt.kv_fp8_fake_quant.default, (_x((3, 128), torch.bfloat16, device), 64))
     torch.library.opcheck(torch.ops.dsv4rt.idx_fp4_hadamard_fake_quant.default, (x,))
+    cos64, sin64 = _table(3, 64, device)
+    for fp8 in (True, False):
+        torch.library.opcheck(torch.ops.dsv4rt.kv_norm_rope_quant.default,
+                              (_x((3, 128), torch.bfloat16, device), _weight(128, device), cos64, sin64, EPS, fp8))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -75,6 +79,18 @@ def test_trace(device):
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(x, cos, sin, w)
     tol = {"rtol": 0, "atol": 0} if device == "cpu" else {"rtol": 4 * ULP[x.dtype], "atol": 1e-6}
     torch.testing.assert_close(got, expected, **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_trace_kv_norm_rope_quant(device):
+    """Traced, the op runs unchanged: its reference on the CPU, its kernel on CUDA (compared with the three ops below)."""
+    x, w = _x((5, 128), torch.bfloat16, device), _weight(128, device)
+    cos, sin = _table(5, 64, device)
+    expected = (kv_norm_rope_quant_ref(x, w, cos, sin, EPS, True) if device == "cpu"
+                else norm.kv_norm_rope_quant(x, w, cos, sin, EPS, True))
+    torch._dynamo.reset()
+    got = torch.compile(norm.kv_norm_rope_quant, fullgraph=True, backend="aot_eager")(x, w, cos, sin, EPS, True)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_rope_reference_is_the_rotation():
@@ -132,6 +148,12 @@ def test_errors_name_the_problem(device):
         norm.kv_fp8_fake_quant(x, 32)
     with pytest.raises(RuntimeError, match="must be 32, 64, 128 or 256"):
         norm.idx_fp4_hadamard_fake_quant(x[..., :48])
+    with pytest.raises(RuntimeError, match=r"x must be \[T, D\]"):
+        norm.kv_norm_rope_quant(x, _weight(64, device), cos, sin, EPS, True)
+    with pytest.raises(RuntimeError, match="with fp8, width - rope_dim must be a positive multiple of 64"):
+        norm.kv_norm_rope_quant(x[:, 0], _weight(64, device), cos, sin, EPS, True)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        norm.kv_norm_rope_quant(x[:, 0], _weight(32, device), cos, sin, EPS, False)
 
 
 @pytest.mark.cuda
@@ -225,3 +247,40 @@ def test_cuda_idx_fp4_hadamard_fake_quant_bit_exact(width, dtype):
     out, ref = norm.idx_fp4_hadamard_fake_quant(x), idx_fp4_hadamard_fake_quant_ref(x)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     assert torch.equal(torch.signbit(out), torch.signbit(ref))  # -0.0 where the reference has it
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,rope_dim", [((1, 512), 64), ((64, 512), 64), ((3, 128), 64), ((5, 192), 64),
+                                            ((2, 1088), 64), ((4, 4096), 64), ((3, 100), 36)])
+def test_cuda_kv_norm_rope_quant_equals_the_three_ops(shape, rope_dim, dtype, fp8):
+    """Bit for bit with rms_norm -> rope_rotate -> kv_fp8_fake_quant on the same device: the one-launch kernel where
+    a row is at most 256 16-byte groups with its rope channels whole groups (Flash's kv [512] with rope 64), the three
+    launches elsewhere (4,096 channels; 100 channels; fp32 rows of 1,088)."""
+    if fp8 and (shape[-1] - rope_dim) % 64:
+        pytest.skip("FP8 rows need width - rope_dim a multiple of 64")
+    x, w = _x(shape, dtype, "cuda"), _weight(shape[-1], "cuda")
+    cos, sin = _table(shape[0], rope_dim, "cuda")
+    want = norm.rope_rotate(norm.rms_norm(x, w, EPS), cos, sin)
+    if fp8:
+        want = norm.kv_fp8_fake_quant(want, rope_dim)
+    got = norm.kv_norm_rope_quant(x, w, cos, sin, EPS, fp8)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+@pytest.mark.cuda
+def test_cuda_kv_norm_rope_quant_misaligned_and_replayed(capture_graph):
+    """A row start off 16 bytes takes the three launches; a captured call replays on new values."""
+    buf = _x((3 * 512 + 1,), torch.bfloat16, "cuda")
+    x, w = buf[1:].view(3, 512), _weight(512, "cuda")
+    cos, sin = _table(3, 64, "cuda")
+    want = norm.kv_fp8_fake_quant(norm.rope_rotate(norm.rms_norm(x, w, EPS), cos, sin), 64)
+    torch.testing.assert_close(norm.kv_norm_rope_quant(x, w, cos, sin, EPS, True), want, rtol=0, atol=0)
+    y = _x((3, 512), torch.bfloat16, "cuda")
+    graph, out = capture_graph(lambda: norm.kv_norm_rope_quant(y, w, cos, sin, EPS, True))
+    y.copy_(_x((3, 512), torch.bfloat16, "cuda", seed=7))
+    graph.replay()
+    want = norm.kv_fp8_fake_quant(norm.rope_rotate(norm.rms_norm(y, w, EPS), cos, sin), 64)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
