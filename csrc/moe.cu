@@ -36,6 +36,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 #include <utility>
 
 #include <cuda.h>
@@ -166,8 +167,11 @@ cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
 
 // ------------------------------------------------------------------------------------------ gate
 constexpr int kGateThreads = 256;
-constexpr int kGateRowThreads = 128;  // threads a weight row: 2 rows a CTA
-constexpr int kGateU = 8;             // 16-byte weight loads in flight a thread (D = 4096: the whole row at once)
+constexpr int kGateU = 8;  // 16-byte weight loads in flight a thread
+// Threads a weight row, so that a 4,096-wide row is one round of kGateU loads a thread: fp32 weights 128 (2 rows a
+// CTA), bf16 64 (4 rows a CTA: at one token a CSA layer's 2,624 projection rows then fit one wave of resident CTAs,
+// where 128 threads a row took two waves, each a DRAM round trip).
+__host__ __device__ constexpr int gate_row_threads(int weight_bytes) { return 32 * weight_bytes; }
 
 template <typename T>
 __device__ __forceinline__ float4 load4(const T* p);
@@ -238,11 +242,12 @@ __device__ __forceinline__ GemvRow gemv_row(const GemvWeights& ws, int64_t e) {
 // out_i[t, r] = sum_d float(x[t, d]) * float(w_i[r, d]) for each weight i of `ws` (moe_gate: one weight, the router's
 // logits): fp32 FMAs, each thread over its columns, then the warps of a row in a fixed order: deterministic. W: the
 // weights' element type, float or bf16 (the checkpoint's: converted exactly, half the bytes of an fp32 copy's read).
-template <typename T, typename W>
+template <typename T, typename W, int NT>
 __global__ void __launch_bounds__(kGateThreads) moe_gate_kernel(const T* x, const GemvWeights ws, int n_tokens,
                                                                 int64_t dim, int64_t total_rows) {
   constexpr int kE = 16 / sizeof(W);  // weights a 16-byte load
   __shared__ float part[kGateThreads / 32][moe_gate_max_tokens];
+  constexpr int kGateRowThreads = gate_row_threads(sizeof(W));
   const int tr = threadIdx.x % kGateRowThreads, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t e = static_cast<int64_t>(blockIdx.x) * (kGateThreads / kGateRowThreads) + threadIdx.x / kGateRowThreads;
   const bool live = e < total_rows;
@@ -260,9 +265,9 @@ __global__ void __launch_bounds__(kGateThreads) moe_gate_kernel(const T* x, cons
   load_w(tr);  // the weights are no predecessor's output: in flight before the wait
   pdl_wait();
   pdl_launch_dependents();
-  float acc[moe_gate_max_tokens];
+  float acc[NT];
 #pragma unroll
-  for (int t = 0; t < moe_gate_max_tokens; ++t) acc[t] = 0.0f;
+  for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
   for (int64_t q0 = tr;;) {
 #pragma unroll
     for (int u = 0; u < kGateU; ++u) {
@@ -271,9 +276,9 @@ __global__ void __launch_bounds__(kGateThreads) moe_gate_kernel(const T* x, cons
       float wf[kE];
       unpack_w<W>(wv[u], wf);
       // no `t < n_tokens` test around the loads (each load waited for the previous token's): tokens past n_tokens
-      // re-read the last token's row into sums that are never stored
+      // (up to NT, the launch's power of two) re-read the last token's row into sums that are never stored
 #pragma unroll
-      for (int t = 0; t < moe_gate_max_tokens; ++t) {
+      for (int t = 0; t < NT; ++t) {
         const int64_t tt = t < n_tokens ? t : n_tokens - 1;
 #pragma unroll
         for (int h = 0; h < kE / 4; ++h) {
@@ -290,7 +295,7 @@ __global__ void __launch_bounds__(kGateThreads) moe_gate_kernel(const T* x, cons
     load_w(q0);
   }
 #pragma unroll
-  for (int t = 0; t < moe_gate_max_tokens; ++t) {
+  for (int t = 0; t < NT; ++t) {
     float v = acc[t];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -1784,16 +1789,24 @@ cudaError_t moe_gemv_launch(const void* x, int dtype, const GemvWeights& ws, boo
   }
   const int64_t total = ws.end[ws.n - 1];
   if (total <= 0) return cudaSuccess;
-  const int rows = kGateThreads / kGateRowThreads;
+  const int rows = kGateThreads / gate_row_threads(weight_bf16 ? 2 : 4);
   const dim3 grid(static_cast<unsigned>((total + rows - 1) / rows));
-  return with_dtype(dtype, [&](auto tag) {
+  // the token loop's trip count a template argument: one token's call keeps one sum a thread and reads x once, not
+  // moe_gate_max_tokens times
+  auto go = [&](auto tag, auto w_tag, auto nt) {
     using T = decltype(tag);
-    if (weight_bf16) {
-      return launch(moe_gate_kernel<T, __nv_bfloat16>, grid, dim3(kGateThreads), 0, stream, pdl,
-                    static_cast<const T*>(x), ws, static_cast<int>(n_tokens), dim, total);
-    }
-    return launch(moe_gate_kernel<T, float>, grid, dim3(kGateThreads), 0, stream, pdl, static_cast<const T*>(x), ws,
-                  static_cast<int>(n_tokens), dim, total);
+    using W = decltype(w_tag);
+    return launch(moe_gate_kernel<T, W, decltype(nt)::value>, grid, dim3(kGateThreads), 0, stream, pdl,
+                  static_cast<const T*>(x), ws, static_cast<int>(n_tokens), dim, total);
+  };
+  return with_dtype(dtype, [&](auto tag) {
+    auto by_tokens = [&](auto w_tag) {
+      if (n_tokens == 1) return go(tag, w_tag, std::integral_constant<int, 1>{});
+      if (n_tokens == 2) return go(tag, w_tag, std::integral_constant<int, 2>{});
+      if (n_tokens <= 4) return go(tag, w_tag, std::integral_constant<int, 4>{});
+      return go(tag, w_tag, std::integral_constant<int, moe_gate_max_tokens>{});
+    };
+    return weight_bf16 ? by_tokens(__nv_bfloat16{}) : by_tokens(float{});
   });
 }
 
