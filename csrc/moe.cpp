@@ -24,6 +24,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_grouped_mm.h>
+#include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
@@ -129,9 +130,69 @@ std::vector<at::Tensor> linear_fp32_cuda(const at::Tensor& x, at::TensorList wei
   }
   ws.n = static_cast<int>(weights.size());
   check_launch(dsv4rt::moe_gemv_launch(x.data_ptr(), dtype_code(x.scalar_type()), ws,
-                                       weights[0].scalar_type() == at::kBFloat16, x.size(0), x.size(1),
+                                       dtype_code(weights[0].scalar_type()), true, x.size(0), x.size(1), x.size(1),
                                        c10::cuda::getCurrentCUDAStream(), use_pdl()),
                "linear_fp32");
+  return outs;
+}
+
+// linear: out_i = x . w_i^T in x's type (groups > 1: one weight [G * N, K], x [T, G * K], out[:, g*N:(g+1)*N] =
+// x[:, g*K:(g+1)*K] . w[g*N:(g+1)*N]^T). One GEMV launch for every weight when x has at most moe_gate_max_tokens
+// rows and x and the weights are bf16 (or fp16), contiguous and 16-byte aligned; else cuBLAS through at::linear /
+// at::bmm a weight, as the reference.
+std::vector<at::Tensor> linear_cuda(const at::Tensor& x, at::TensorList weights, int64_t groups) {
+  TORCH_CHECK(x.dim() == 2, "linear: x must be [T, K], got ", dsv4rt::num(x.dim()), " dims");
+  TORCH_CHECK(!weights.empty(), "linear: no weights");
+  TORCH_CHECK(groups >= 1, "linear: groups must be >= 1, got ", dsv4rt::num(groups));
+  TORCH_CHECK(groups == 1 || weights.size() == 1, "linear: groups > 1 takes one weight, got ",
+              dsv4rt::num(static_cast<int64_t>(weights.size())));
+  TORCH_CHECK(x.size(1) % groups == 0, "linear: x's width ", dsv4rt::num(x.size(1)), " is not a multiple of groups ",
+              dsv4rt::num(groups));
+  const int64_t k = x.size(1) / groups;
+  bool native = x.size(0) >= 1 && x.size(0) <= dsv4rt::moe_gate_max_tokens && k % 8 == 0 && x.is_contiguous() &&
+                aligned16(x) && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) &&
+                static_cast<int64_t>(weights.size()) <= dsv4rt::moe_gemv_max_weights;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == k && w.size(0) % groups == 0, "linear: weight ",
+                dsv4rt::num(static_cast<int64_t>(i)), " must be [N, K] with K = ", dsv4rt::num(k),
+                groups > 1 ? " (x's width / groups) and N a multiple of groups" : " (x's width)");
+    TORCH_CHECK(w.scalar_type() == x.scalar_type(), "linear: weight ", dsv4rt::num(static_cast<int64_t>(i)), " is ",
+                w.scalar_type(), ", x ", x.scalar_type(), " (one dtype)");
+    TORCH_CHECK(w.device() == x.device(), "linear: weight ", dsv4rt::num(static_cast<int64_t>(i)), " is on ",
+                dsv4rt::dev_str(w.device()), ", x on ", dsv4rt::dev_str(x.device()));
+    native = native && w.is_contiguous() && aligned16(w);
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  std::vector<at::Tensor> outs;
+  outs.reserve(weights.size());
+  if (!native) {
+    if (groups == 1) {
+      for (const at::Tensor& w : weights) outs.push_back(at::linear(x, w));
+    } else {  // [G, T, K] x [G, K, N] -> [G, T, N] -> [T, G * N]
+      const int64_t n = weights[0].size(0) / groups;
+      const at::Tensor y =
+          at::bmm(x.view({x.size(0), groups, k}).transpose(0, 1), weights[0].view({groups, n, k}).transpose(1, 2));
+      outs.push_back(y.transpose(0, 1).reshape({x.size(0), groups * n}));
+    }
+    return outs;
+  }
+  dsv4rt::GemvWeights ws{};
+  int64_t end = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    outs.push_back(at::empty({x.size(0), weights[i].size(0)}, x.options()));
+    end += weights[i].size(0);
+    ws.w[i] = weights[i].data_ptr();
+    ws.out[i] = outs.back().data_ptr();
+    ws.end[i] = end;
+  }
+  ws.n = static_cast<int>(weights.size());
+  ws.group_rows = groups > 1 ? weights[0].size(0) / groups : 0;
+  if (end > 0) {
+    check_launch(dsv4rt::moe_gemv_launch(x.data_ptr(), dtype_code(x.scalar_type()), ws, dtype_code(x.scalar_type()),
+                                         false, x.size(0), k, x.size(1), c10::cuda::getCurrentCUDAStream(), use_pdl()),
+                 "linear");
+  }
   return outs;
 }
 
@@ -358,6 +419,7 @@ at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& w13, const at
 TORCH_LIBRARY_IMPL(dsv4rt, CUDA, m) {
   m.impl("moe_gate", &moe_gate_cuda);
   m.impl("linear_fp32", &linear_fp32_cuda);
+  m.impl("linear", &linear_cuda);
   m.impl("moe_route", &moe_route_cuda);
   m.impl("moe_hash_route", &moe_hash_route_cuda);
   m.impl("moe_experts", &moe_experts_cuda);

@@ -200,7 +200,7 @@ __device__ __forceinline__ float4 load4<__half>(const __half* p) {
   return load4_half(p);
 }
 
-// A 16-byte load of gate weights as fp32: 4 floats, or 8 bf16 widened exactly (a shift each).
+// A 16-byte load of gate weights as fp32: 4 floats, or 8 bf16 (a shift each) or fp16 values widened exactly.
 template <typename W>
 __device__ __forceinline__ void unpack_w(const uint4& v, float (&f)[16 / sizeof(W)]);
 
@@ -222,43 +222,73 @@ __device__ __forceinline__ void unpack_w<__nv_bfloat16>(const uint4& v, float (&
   }
 }
 
-// Grid row e of a GemvWeights: its weight and output, the weight's first grid row and its row count. The selection
-// runs over constant indices (no dynamic indexing of the parameter arrays); rows past the end fall in the last weight.
+template <>
+__device__ __forceinline__ void unpack_w<__half>(const uint4& v, float (&f)[8]) {
+  const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 p = __half22float2(h[i]);
+    f[2 * i] = p.x;
+    f[2 * i + 1] = p.y;
+  }
+}
+
+// Grid row e of a GemvWeights: its weight and output, the weight's first grid row, its row count, the output's row
+// stride and x's column offset. The selection runs over constant indices (no dynamic indexing of the parameter arrays);
+// rows past the end fall in the last weight.
 struct GemvRow {
   const void* w;
-  float* out;
-  int64_t start, rows;
+  void* out;
+  int64_t start, rows, ldo, xoff;
 };
 
-__device__ __forceinline__ GemvRow gemv_row(const GemvWeights& ws, int64_t e) {
-  GemvRow r{ws.w[0], ws.out[0], 0, ws.end[0]};
+__device__ __forceinline__ GemvRow gemv_row(const GemvWeights& ws, int64_t e, int64_t dim) {
+  GemvRow r{ws.w[0], ws.out[0], 0, ws.end[0], ws.ldo[0], 0};
 #pragma unroll
   for (int i = 1; i < moe_gemv_max_weights; ++i) {
-    if (i < ws.n && e >= ws.end[i - 1]) r = GemvRow{ws.w[i], ws.out[i], ws.end[i - 1], ws.end[i] - ws.end[i - 1]};
+    if (i < ws.n && e >= ws.end[i - 1]) {
+      r = GemvRow{ws.w[i], ws.out[i], ws.end[i - 1], ws.end[i] - ws.end[i - 1], ws.ldo[i], 0};
+    }
   }
+  if (r.ldo == 0) r.ldo = r.rows;
+  if (ws.group_rows > 0) r.xoff = (e - r.start) / ws.group_rows * dim;  // grouped: row block g reads x's block g
   return r;
 }
 
-// out_i[t, r] = sum_d float(x[t, d]) * float(w_i[r, d]) for each weight i of `ws` (moe_gate: one weight, the router's
-// logits): fp32 FMAs, each thread over its columns, then the warps of a row in a fixed order: deterministic. W: the
-// weights' element type, float or bf16 (the checkpoint's: converted exactly, half the bytes of an fp32 copy's read).
-template <typename T, typename W, int NT>
-__global__ void __launch_bounds__(kGateThreads) moe_gate_kernel(const T* x, const GemvWeights ws, int n_tokens,
-                                                                int64_t dim, int64_t total_rows) {
-  constexpr int kE = 16 / sizeof(W);  // weights a 16-byte load
-  __shared__ float part[kGateThreads / 32][moe_gate_max_tokens];
-  constexpr int kGateRowThreads = gate_row_threads(sizeof(W));
-  const int tr = threadIdx.x % kGateRowThreads, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t e = static_cast<int64_t>(blockIdx.x) * (kGateThreads / kGateRowThreads) + threadIdx.x / kGateRowThreads;
+template <typename O>
+__device__ __forceinline__ O out_cast(float v);
+template <>
+__device__ __forceinline__ float out_cast<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 out_cast<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half out_cast<__half>(float v) { return __float2half_rn(v); }
+
+// out_i[t, r] = sum_d float(x[t, xoff + d]) * float(w_i[r, d]) for each weight i of `ws` (moe_gate: one weight, the
+// router's logits): fp32 FMAs, each thread over its columns, then the threads of a row in a fixed order:
+// deterministic; the sum rounded once to O (fp32 for moe_gate and linear_fp32, x's type for linear). W: the weights'
+// element type, float or bf16 (the checkpoint's: converted exactly, half the bytes of an fp32 copy's read), or
+// fp16 / bf16 as x (linear). NT: tokens a thread sums (a power of two >= n_tokens). RT: threads a weight row.
+// (At least 2 CTAs an SM for 16-bit x: ptxas otherwise spilled a few bytes at 80 registers in the 8-token instance.)
+template <typename T, typename W, typename O, int NT, int RT>
+__global__ void __launch_bounds__(kGateThreads, sizeof(T) == 2 ? 2 : 1)
+    moe_gate_kernel(const T* x, const GemvWeights ws, int n_tokens, int64_t dim, int64_t ldx, int64_t total_rows) {
+  constexpr int kE = 16 / sizeof(W);   // weights a 16-byte load
+  constexpr int kSeg = RT < 32 ? RT : 32;  // lanes of a row within a warp
+  constexpr int kRows = kGateThreads / RT;  // rows a CTA
+  __shared__ float part[kGateThreads / kSeg][moe_gate_max_tokens];
+  const int tr = threadIdx.x % RT;
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * kRows + threadIdx.x / RT;
   const bool live = e < total_rows;
-  const GemvRow row = gemv_row(ws, e);
+  const GemvRow row = gemv_row(ws, e, dim);
   const W* wr = static_cast<const W*>(row.w) + (live ? e - row.start : 0) * dim;
-  const int64_t nq = dim / kE;
+  const T* xr = x + (live ? row.xoff : 0);
+  const int nq = static_cast<int>(dim / kE);  // dim < 2^31 (checked by the launcher)
   uint4 wv[kGateU];
-  auto load_w = [&](int64_t q0) {
+  auto load_w = [&](int q0) {
 #pragma unroll
     for (int u = 0; u < kGateU; ++u) {
-      const int64_t q = q0 + u * kGateRowThreads;
+      const int q = q0 + u * RT;
       wv[u] = (live && q < nq) ? ld_stream(wr + kE * q) : make_uint4(0, 0, 0, 0);
     }
   };
@@ -268,21 +298,21 @@ __global__ void __launch_bounds__(kGateThreads) moe_gate_kernel(const T* x, cons
   float acc[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
-  for (int64_t q0 = tr;;) {
+  for (int q0 = tr;;) {
 #pragma unroll
     for (int u = 0; u < kGateU; ++u) {
-      const int64_t q = q0 + u * kGateRowThreads;
+      const int q = q0 + u * RT;
       if (q >= nq) break;
       float wf[kE];
       unpack_w<W>(wv[u], wf);
       // no `t < n_tokens` test around the loads (each load waited for the previous token's): tokens past n_tokens
-      // (up to NT, the launch's power of two) re-read the last token's row into sums that are never stored
+      // (up to NT) re-read the last token's row into sums that are never stored
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
         const int64_t tt = t < n_tokens ? t : n_tokens - 1;
 #pragma unroll
         for (int h = 0; h < kE / 4; ++h) {
-          const float4 xv = load4<T>(x + tt * dim + kE * q + 4 * h);
+          const float4 xv = load4<T>(xr + tt * ldx + kE * q + 4 * h);
           acc[t] = fmaf(wf[4 * h], xv.x, acc[t]);
           acc[t] = fmaf(wf[4 * h + 1], xv.y, acc[t]);
           acc[t] = fmaf(wf[4 * h + 2], xv.z, acc[t]);
@@ -290,7 +320,7 @@ __global__ void __launch_bounds__(kGateThreads) moe_gate_kernel(const T* x, cons
         }
       }
     }
-    q0 += kGateU * kGateRowThreads;
+    q0 += kGateU * RT;
     if (q0 >= nq) break;
     load_w(q0);
   }
@@ -298,19 +328,20 @@ __global__ void __launch_bounds__(kGateThreads) moe_gate_kernel(const T* x, cons
   for (int t = 0; t < NT; ++t) {
     float v = acc[t];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) part[warp][t] = v;
+    for (int o = kSeg / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (threadIdx.x % kSeg == 0) part[threadIdx.x / kSeg][t] = v;
   }
   __syncthreads();
-  constexpr int kWarpsPerRow = kGateRowThreads / 32;
+  constexpr int kPartsPerRow = RT / kSeg;
+  static_assert(kRows * moe_gate_max_tokens <= kGateThreads, "one thread an output of the CTA");
   const int rl = threadIdx.x / moe_gate_max_tokens, t = threadIdx.x % moe_gate_max_tokens;
-  const int64_t er = static_cast<int64_t>(blockIdx.x) * (kGateThreads / kGateRowThreads) + rl;
-  if (rl < kGateThreads / kGateRowThreads && t < n_tokens && er < total_rows) {
+  const int64_t er = static_cast<int64_t>(blockIdx.x) * kRows + rl;
+  if (rl < kRows && t < n_tokens && er < total_rows) {
     float sum = 0.0f;
 #pragma unroll
-    for (int k = 0; k < kWarpsPerRow; ++k) sum += part[rl * kWarpsPerRow + k][t];
-    const GemvRow o = gemv_row(ws, er);
-    o.out[t * o.rows + (er - o.start)] = sum;
+    for (int k = 0; k < kPartsPerRow; ++k) sum += part[rl * kPartsPerRow + k][t];
+    const GemvRow o = gemv_row(ws, er, dim);
+    static_cast<O*>(o.out)[t * o.ldo + (er - o.start)] = out_cast<O>(sum);
   }
 }
 
@@ -1782,31 +1813,51 @@ MoePlan moe_plan_views(int32_t* workspace, int64_t n_experts, int64_t n_pairs) {
   return p;
 }
 
-cudaError_t moe_gemv_launch(const void* x, int dtype, const GemvWeights& ws, bool weight_bf16, int64_t n_tokens,
-                            int64_t dim, cudaStream_t stream, bool pdl) {
-  if (n_tokens < 1 || n_tokens > moe_gate_max_tokens || dim % 8 != 0 || ws.n < 1 || ws.n > moe_gemv_max_weights) {
+cudaError_t moe_gemv_launch(const void* x, int dtype, const GemvWeights& ws, int weight_dtype, bool out_fp32,
+                            int64_t n_tokens, int64_t dim, int64_t ldx, cudaStream_t stream, bool pdl) {
+  const bool same = weight_dtype == dtype && dtype != kMoeF32;  // linear: x, weights and output of one 16-bit type
+  if (n_tokens < 1 || n_tokens > moe_gate_max_tokens || dim % 8 != 0 || dim >= (int64_t{1} << 31) || ldx % 8 != 0 ||
+      ldx < dim || ws.n < 1 ||
+      ws.n > moe_gemv_max_weights || (out_fp32 ? weight_dtype == kMoeF16 : !same)) {
     return cudaErrorInvalidValue;
   }
   const int64_t total = ws.end[ws.n - 1];
   if (total <= 0) return cudaSuccess;
-  const int rows = kGateThreads / gate_row_threads(weight_bf16 ? 2 : 4);
-  const dim3 grid(static_cast<unsigned>((total + rows - 1) / rows));
+  // threads a row: kGateU 16-byte loads a thread cover a 4,096-wide row (a 1,024-wide 16-bit row: 16 threads, so
+  // that q_b's 32,768 rows of 2 KB keep every load live)
+  const int wbytes = weight_dtype == kMoeF32 ? 4 : 2;
+  const bool narrow = !out_fp32 && dim <= 1024;
+  const int rt = narrow ? 16 : gate_row_threads(wbytes);
+  const dim3 grid(static_cast<unsigned>((total + kGateThreads / rt - 1) / (kGateThreads / rt)));
   // the token loop's trip count a template argument: one token's call keeps one sum a thread and reads x once, not
   // moe_gate_max_tokens times
-  auto go = [&](auto tag, auto w_tag, auto nt) {
+  auto go = [&](auto tag, auto w_tag, auto o_tag, auto nt, auto rt_c) {
     using T = decltype(tag);
     using W = decltype(w_tag);
-    return launch(moe_gate_kernel<T, W, decltype(nt)::value>, grid, dim3(kGateThreads), 0, stream, pdl,
-                  static_cast<const T*>(x), ws, static_cast<int>(n_tokens), dim, total);
+    using O = decltype(o_tag);
+    return launch(moe_gate_kernel<T, W, O, decltype(nt)::value, decltype(rt_c)::value>, grid, dim3(kGateThreads), 0,
+                  stream, pdl, static_cast<const T*>(x), ws, static_cast<int>(n_tokens), dim, ldx, total);
+  };
+  auto by_tokens = [&](auto tag, auto w_tag, auto o_tag, auto rt_c) {
+    if (n_tokens == 1) return go(tag, w_tag, o_tag, std::integral_constant<int, 1>{}, rt_c);
+    if (n_tokens == 2) return go(tag, w_tag, o_tag, std::integral_constant<int, 2>{}, rt_c);
+    if (n_tokens <= 4) return go(tag, w_tag, o_tag, std::integral_constant<int, 4>{}, rt_c);
+    return go(tag, w_tag, o_tag, std::integral_constant<int, moe_gate_max_tokens>{}, rt_c);
   };
   return with_dtype(dtype, [&](auto tag) {
-    auto by_tokens = [&](auto w_tag) {
-      if (n_tokens == 1) return go(tag, w_tag, std::integral_constant<int, 1>{});
-      if (n_tokens == 2) return go(tag, w_tag, std::integral_constant<int, 2>{});
-      if (n_tokens <= 4) return go(tag, w_tag, std::integral_constant<int, 4>{});
-      return go(tag, w_tag, std::integral_constant<int, moe_gate_max_tokens>{});
-    };
-    return weight_bf16 ? by_tokens(__nv_bfloat16{}) : by_tokens(float{});
+    using T = decltype(tag);
+    if (out_fp32) {  // moe_gate, linear_fp32: fp32 or bf16 weights, fp32 output
+      if (weight_dtype == kMoeBF16) {
+        return by_tokens(tag, __nv_bfloat16{}, float{}, std::integral_constant<int, gate_row_threads(2)>{});
+      }
+      return by_tokens(tag, float{}, float{}, std::integral_constant<int, gate_row_threads(4)>{});
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      return cudaErrorInvalidValue;  // excluded above (`same`)
+    } else {  // linear: weights and output in x's type
+      if (narrow) return by_tokens(tag, T{}, T{}, std::integral_constant<int, 16>{});
+      return by_tokens(tag, T{}, T{}, std::integral_constant<int, gate_row_threads(2)>{});
+    }
   });
 }
 
@@ -1817,7 +1868,7 @@ cudaError_t moe_gate_launch(const void* x, int dtype, const void* weight, bool w
   ws.out[0] = logits;
   ws.end[0] = n_experts;
   ws.n = 1;
-  return moe_gemv_launch(x, dtype, ws, weight_bf16, n_tokens, dim, stream, pdl);
+  return moe_gemv_launch(x, dtype, ws, weight_bf16 ? kMoeBF16 : kMoeF32, true, n_tokens, dim, dim, stream, pdl);
 }
 
 cudaError_t moe_route_launch(const float* logits, const void* bias, bool bias_bf16, int64_t n_tokens, int n_experts,

@@ -17,18 +17,25 @@ constexpr int moe_gate_max_tokens = 8;
 cudaError_t moe_gate_launch(const void* x, int dtype, const void* weight, bool weight_bf16, int64_t n_tokens,
                             int64_t dim, int64_t n_experts, float* logits, cudaStream_t stream, bool pdl);
 
-// The same product for up to moe_gemv_max_weights weights of one type (fp32, or bf16 when weight_bf16), each
-// [rows_i, D] with its own fp32 output [T, rows_i] (out_i = x . w_i^T, as moe_gate): the rows of all of them form one
-// grid, 2 a CTA, so the projections of one x take one launch. T <= moe_gate_max_tokens, D % 8 == 0.
+// The same product for up to moe_gemv_max_weights weights of one type, each [rows_i, D] with its own output
+// (out_i[t, r] = x[t, :] . w_i[r, :], fp32 sums): the rows of all of them form one grid, so the projections of one x
+// take one launch. Two forms:
+//   out_fp32: fp32 outputs (moe_gate, linear_fp32), weights fp32 or bf16 (weight_dtype), x of any MoeDType;
+//   else (linear): x, weights and outputs all bf16 or all fp16, each sum rounded once.
+// x [T, ldx] (D <= ldx); with group_rows > 0, grid row r of a weight reads x's columns [g * D, g * D + D) for
+// g = r / group_rows (a grouped projection: one weight [G * group_rows, D]). ldo[i]: output i's row stride (0: rows_i).
+// T <= moe_gate_max_tokens, D % 8 == 0, ldx % 8 == 0.
 constexpr int moe_gemv_max_weights = 6;
 struct GemvWeights {
   const void* w[moe_gemv_max_weights];
-  float* out[moe_gemv_max_weights];
+  void* out[moe_gemv_max_weights];
   int64_t end[moe_gemv_max_weights];  // cumulative rows: weight i holds grid rows [end[i - 1], end[i])
+  int64_t ldo[moe_gemv_max_weights];
+  int64_t group_rows;                 // 0: no groups
   int n;                              // weights, 1 .. moe_gemv_max_weights
 };
-cudaError_t moe_gemv_launch(const void* x, int dtype, const GemvWeights& ws, bool weight_bf16, int64_t n_tokens,
-                            int64_t dim, cudaStream_t stream, bool pdl);
+cudaError_t moe_gemv_launch(const void* x, int dtype, const GemvWeights& ws, int weight_dtype, bool out_fp32,
+                            int64_t n_tokens, int64_t dim, int64_t ldx, cudaStream_t stream, bool pdl);
 
 // Top-k router: logits [T, E] fp32; bias [E] fp32 (bias_bf16: bf16). weights [T, k] fp32, ids [T, k] int32.
 cudaError_t moe_route_launch(const float* logits, const void* bias, bool bias_bf16, int64_t n_tokens, int n_experts,

@@ -1,6 +1,7 @@
 """MoE family: router logits (fp32 gate), top-k router (sqrt-softplus, bias for selection only), hash router,
-routed + shared experts; and `linear_fp32`, the router logits' product for several weights at once (the model's
-compressor and indexer-scorer projections: one launch a layer at decode).
+routed + shared experts; `linear_fp32`, the router logits' product for several weights at once (the model's
+compressor and indexer-scorer projections: one launch a layer at decode); and `linear`, the same GEMV kernel for the
+model's bf16 projections at decode (x @ w.T in x's dtype, several weights of one x, or a grouped projection).
 
 Routing weights come from the unbiased scores, renormalised over the chosen experts and multiplied
 by the routed scaling factor. Experts use the clamped SwiGLU: silu(min(g, L)) * clamp(u, -L, L).
@@ -14,6 +15,7 @@ from torch import Tensor
 
 torch.library.define("dsv4rt::moe_gate", "(Tensor x, Tensor weight) -> Tensor")
 torch.library.define("dsv4rt::linear_fp32", "(Tensor x, Tensor[] weights) -> Tensor[]")
+torch.library.define("dsv4rt::linear", "(Tensor x, Tensor[] weights, int groups=1) -> Tensor[]")
 torch.library.define("dsv4rt::moe_route", "(Tensor logits, Tensor bias, int topk, float scale) -> (Tensor, Tensor)")
 torch.library.define(
     "dsv4rt::moe_hash_route", "(Tensor logits, Tensor tid2eid, Tensor token_ids, float scale) -> (Tensor, Tensor)"
@@ -48,6 +50,30 @@ def _check_linear_fp32(x: Tensor, weights: list[Tensor]) -> None:
 def _linear_fp32_fake(x, weights):
     _check_linear_fp32(x, weights)
     return [x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32) for w in weights]
+
+
+def _check_linear(x: Tensor, weights: list[Tensor], groups: int) -> int:
+    """The checks of `linear` (its fake, reference and CUDA binding say the same); returns K, x's width a group."""
+    torch._check(x.dim() == 2, lambda: f"linear: x must be [T, K], got {tuple(x.shape)}")
+    torch._check(len(weights) > 0, lambda: "linear: no weights")
+    torch._check(groups >= 1, lambda: f"linear: groups must be >= 1, got {groups}")
+    torch._check(groups == 1 or len(weights) == 1, lambda: f"linear: groups > 1 takes one weight, got {len(weights)}")
+    torch._check(x.shape[1] % groups == 0,
+                 lambda: f"linear: x's width {x.shape[1]} is not a multiple of groups {groups}")
+    k = x.shape[1] // groups
+    for i, w in enumerate(weights):
+        torch._check(w.dim() == 2 and w.shape[1] == k and w.shape[0] % groups == 0,
+                     lambda: f"linear: weight {i} must be [N, K] with K = {k}"
+                             + (" (x's width / groups) and N a multiple of groups" if groups > 1 else " (x's width)")
+                             + f", got {tuple(w.shape)}")
+        torch._check(w.dtype == x.dtype, lambda: f"linear: weight {i} is {w.dtype}, x {x.dtype} (one dtype)")
+    return k
+
+
+@torch.library.register_fake("dsv4rt::linear")
+def _linear_fake(x, weights, groups=1):
+    _check_linear(x, weights, groups)
+    return [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
 
 
 @torch.library.register_fake("dsv4rt::moe_route")
@@ -103,6 +129,19 @@ def linear_fp32_ref(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
     return [F.linear(x32, w.float()) for w in weights]
 
 
+def linear_ref(x: Tensor, weights: list[Tensor], groups: int = 1) -> list[Tensor]:
+    """Reference: [F.linear(x, w) for w in weights]; groups > 1: x [T, G*K] and one weight [G*N, K] give [T, G*N],
+    block g of the output from block g of x and rows [g*N, (g+1)*N) of the weight (the model's grouped output
+    projection)."""
+    k = _check_linear(x, weights, groups)
+    if groups == 1:
+        return [F.linear(x, w) for w in weights]
+    w = weights[0]
+    n = w.shape[0] // groups
+    y = torch.einsum("tgi,goi->tgo", x.reshape(x.shape[0], groups, k), w.view(groups, n, k))
+    return [y.reshape(x.shape[0], groups * n)]
+
+
 def moe_route_ref(logits: Tensor, bias: Tensor, topk: int, scale: float) -> tuple[Tensor, Tensor]:
     scores = sqrt_softplus(logits)
     ids = torch.topk(scores + bias.float(), topk, dim=-1).indices
@@ -148,6 +187,7 @@ def moe_experts_ref(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Te
 
 torch.library.impl("dsv4rt::moe_gate", "CompositeExplicitAutograd", moe_gate_ref)
 torch.library.impl("dsv4rt::linear_fp32", "CompositeExplicitAutograd", linear_fp32_ref)
+torch.library.impl("dsv4rt::linear", "CompositeExplicitAutograd", linear_ref)
 torch.library.impl("dsv4rt::moe_route", "CompositeExplicitAutograd", moe_route_ref)
 torch.library.impl("dsv4rt::moe_hash_route", "CompositeExplicitAutograd", moe_hash_route_ref)
 torch.library.impl("dsv4rt::moe_experts", "CompositeExplicitAutograd", moe_experts_ref)
@@ -168,6 +208,19 @@ def linear_fp32(x: Tensor, *weights: Tensor) -> list[Tensor]:
     GEMM a weight (bf16: cuBLAS with an fp32 output). Capture-safe.
     """
     return list(torch.ops.dsv4rt.linear_fp32.default(x.contiguous(), list(weights)))
+
+
+def linear(x: Tensor, *weights: Tensor, groups: int = 1) -> list[Tensor]:
+    """x @ w.T in x's dtype for each weight (fp32 sums, each output rounded once, as cuBLAS's GEMM); groups > 1: one
+    grouped weight (see `linear_ref`).
+
+    Shapes: x [T, G*K], each weight [N_i, K] of x's dtype -> [T, N_i] each. On CUDA, bf16 or fp16 x with up to 8
+    tokens and 6 weights takes one GEMV launch over all their rows (the weights read once; at one token on an H200
+    q_b with the indexer's q_b, 84 MB, took 21.8 us against cuBLAS's 24.9); otherwise cuBLAS a weight (a batched GEMM
+    for groups). The GEMV re-reads x a token: at 8 tokens it took 2.2-2.6x cuBLAS's time on large weights, so the
+    model calls it at one token only (`model.project`). Capture-safe.
+    """
+    return list(torch.ops.dsv4rt.linear.default(x.contiguous(), list(weights), groups))
 
 
 def moe_route(logits: Tensor, bias: Tensor, topk: int, scale: float) -> tuple[Tensor, Tensor]:

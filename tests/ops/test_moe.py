@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4rt.ops.moe import (clamped_swiglu, linear_fp32, linear_fp32_ref, moe_experts, moe_experts_ref, moe_gate,
-                            moe_gate_ref, moe_hash_route, moe_hash_route_ref, moe_route, moe_route_ref)
+from dsv4rt.ops.moe import (clamped_swiglu, linear, linear_fp32, linear_fp32_ref, linear_ref, moe_experts,
+                            moe_experts_ref, moe_gate, moe_gate_ref, moe_hash_route, moe_hash_route_ref, moe_route,
+                            moe_route_ref)
 from factories import (assert_trace_matches_reference, moe_experts_inputs, moe_hash_route_inputs, moe_route_inputs,
                        ref_result, to_device)
 
@@ -34,9 +35,21 @@ def linear_fp32_inputs(device, n_tokens: int = 7, seed: int = 0) -> tuple:
     return x, [w, w2.to(device)]
 
 
+def linear_inputs(device, n_tokens: int = 3, groups: int = 1, seed: int = 0) -> tuple:
+    """(x [T, groups * 64] bf16, [bf16 weights: [40, 64] and [24, 64], or one [groups * 24, 64]], groups)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_tokens, groups * 64, generator=g).to(torch.bfloat16)
+    rows = (40, 24) if groups == 1 else (groups * 24,)
+    ws = [(torch.randn(n, 64, generator=g) * 0.125).to(torch.bfloat16) for n in rows]
+    return x.to(device), [w.to(device) for w in ws], groups
+
+
 OPS = {  # case -> (op name, factory, reference, wrapper)
     "moe_gate": ("moe_gate", moe_gate_inputs, moe_gate_ref, moe_gate),
     "linear_fp32": ("linear_fp32", linear_fp32_inputs, linear_fp32_ref, lambda x, ws: linear_fp32(x, *ws)),
+    "linear": ("linear", linear_inputs, linear_ref, lambda x, ws, groups: linear(x, *ws, groups=groups)),
+    "linear_grouped": ("linear", functools.partial(linear_inputs, groups=4), linear_ref,
+                       lambda x, ws, groups: linear(x, *ws, groups=groups)),
     "moe_route": ("moe_route", moe_route_inputs, moe_route_ref, moe_route),
     "moe_hash_route": ("moe_hash_route", moe_hash_route_inputs, moe_hash_route_ref, moe_hash_route),
     "moe_experts": ("moe_experts", moe_experts_inputs, moe_experts_ref, moe_experts),
