@@ -11,8 +11,8 @@ namespace dsv4rt {
 enum MoeDType : int { kMoeF32 = 0, kMoeBF16 = 1, kMoeF16 = 2 };
 
 // Router logits for a few tokens: logits [T, E] fp32 = x [T, D] (dtype, cast to fp32) . weight [E, D] (fp32, or bf16
-// when weight_bf16: cast to fp32 exactly), one launch, 2 rows a CTA, the weight loads issued before the wait for x.
-// T <= moe_gate_max_tokens, D % 8 == 0.
+// when weight_bf16: cast to fp32 exactly), one launch of the GEMV below (moe_gemv_launch with one weight), the weight
+// loads issued before the wait for x. T <= moe_gate_max_tokens, D % 8 == 0.
 constexpr int moe_gate_max_tokens = 8;
 cudaError_t moe_gate_launch(const void* x, int dtype, const void* weight, bool weight_bf16, int64_t n_tokens,
                             int64_t dim, int64_t n_experts, float* logits, cudaStream_t stream, bool pdl);
