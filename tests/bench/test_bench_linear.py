@@ -1,8 +1,8 @@
 """`linear_fp32` and `linear` (ops/moe.py), CUDA-graph replayed. The fp32-result projections of a layer's
 compressors and indexer scorer (`linear_fp32`), Flash dims (hidden 4,096; CSA: main kv and gate 1,024 rows each,
-indexer kv and gate 256 each, scorer 64; HCA: main kv and gate 512 each), bf16 x: one `linear_fp32` call over the layer's bf16 weights, against one
-`moe_gate` call a weight (bf16) and against the fp32 GEMMs over fp32 weights that the model ran before its
-projections kept the checkpoint's bf16. And the bf16 projections of a Flash layer at decode and the LM head
+indexer kv and gate 256 each, scorer 64; HCA: main kv and gate 512 each), bf16 x: one `linear_fp32` call over the
+layer's bf16 weights, against one `moe_gate` call a weight (bf16) and against the fp32 GEMMs over fp32 weights that
+the model ran before its projections kept the checkpoint's bf16. And the bf16 projections of a Flash layer at decode and the LM head
 (`linear`: one GEMV launch for the projections of one input) against cuBLAS, each with the time to read its weights
 at the copy bandwidth measured in the same run. Same card, same run.
 
