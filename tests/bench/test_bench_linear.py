@@ -2,9 +2,9 @@
 compressors and indexer scorer (`linear_fp32`), Flash dims (hidden 4,096; CSA: main kv and gate 1,024 rows each,
 indexer kv and gate 256 each, scorer 64; HCA: main kv and gate 512 each), bf16 x: one `linear_fp32` call over the
 layer's bf16 weights, against one `moe_gate` call a weight (bf16) and against the fp32 GEMMs over fp32 weights that
-the model ran before its projections kept the checkpoint's bf16. And the bf16 projections of a Flash layer at decode and the LM head
-(`linear`: one GEMV launch for the projections of one input) against cuBLAS, each with the time to read its weights
-at the copy bandwidth measured in the same run. Same card, same run.
+the model ran before its projections kept the checkpoint's bf16. And the bf16 projections of a Flash layer at
+decode and the LM head (`linear`: one GEMV launch for the projections of one input) against cuBLAS, each with the
+time to read its weights at the copy bandwidth measured in the same run. Same card, same run.
 
 Each graph holds REPEATS calls, cycling through copies of the weights larger than L2 (successive calls read HBM);
 time per call = median replay time / REPEATS.
