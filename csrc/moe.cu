@@ -345,6 +345,97 @@ __global__ void __launch_bounds__(kGateThreads, sizeof(T) == 2 ? 2 : 1)
   }
 }
 
+// ------------------------------------------------------------------------------------------ GEMV, 2-8 tokens
+// The same products for 2 to 8 tokens when x and the weights share one 16-bit type, on the tensor cores: a CTA takes a
+// tile of 16 rows of one weight and its 8 warps split the reduction; lane (g, c) loads 16 bytes of rows g and g + 8
+// and of token g's x at the same 8 columns (mma_chunk: a chunk of 32 columns is two m16n8k16 steps, the tokens the n
+// dimension; tokens past n_tokens re-read the last one and are never stored). moe_gate_kernel reads x once a token
+// for every 16-byte weight chunk (from L1); at 8 tokens it took 2.2-2.6x cuBLAS's time on large weights (H200). Here a
+// lane reads one x chunk for two weight chunks. The 8 warps' partial sums add in shared memory in a fixed order:
+// deterministic. Tiles do not cross weights (a weight's last tile is partial); grouped weights need group_rows % 16
+// == 0 (one x block a tile).
+constexpr int kMmaWarps = 8;
+constexpr int kMmaRows = 16;  // rows a tile (the mma M)
+constexpr int kMmaU = 4;      // 32-column chunks a lane loads in one round
+
+struct MmaTile {
+  const void* w;
+  void* out;
+  int64_t rows, row0, ldo, xoff;
+};
+
+__device__ __forceinline__ MmaTile mma_tile(const GemvWeights& ws, int64_t tile, int64_t dim) {
+  MmaTile r{ws.w[0], ws.out[0], ws.end[0], 0, ws.ldo[0], 0};
+  int64_t t0 = 0, start = 0;
+  bool found = false;
+#pragma unroll
+  for (int i = 0; i < moe_gemv_max_weights; ++i) {
+    if (i < ws.n) {
+      const int64_t rows = ws.end[i] - start, tiles = (rows + kMmaRows - 1) / kMmaRows;
+      if (!found && tile < t0 + tiles) {
+        r = MmaTile{ws.w[i], ws.out[i], rows, (tile - t0) * kMmaRows, ws.ldo[i], 0};
+        found = true;
+      }
+      t0 += tiles;
+      start = ws.end[i];
+    }
+  }
+  if (r.ldo == 0) r.ldo = r.rows;
+  if (ws.group_rows > 0) r.xoff = r.row0 / ws.group_rows * dim;
+  return r;
+}
+
+template <typename T, typename O>
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    gemv_mma_kernel(const T* x, const GemvWeights ws, int n_tokens, int64_t dim, int64_t ldx) {
+  __shared__ float red[kMmaWarps][kMmaRows][8];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const MmaTile tile = mma_tile(ws, blockIdx.x, dim);
+  const bool a_ok = tile.row0 + g < tile.rows, b_ok = tile.row0 + g + 8 < tile.rows;
+  const T* wa = static_cast<const T*>(tile.w) + (a_ok ? tile.row0 + g : 0) * dim + c * 8;
+  const T* wb = static_cast<const T*>(tile.w) + (b_ok ? tile.row0 + g + 8 : 0) * dim + c * 8;
+  const T* xt = x + tile.xoff + static_cast<int64_t>(g < n_tokens ? g : n_tokens - 1) * ldx + c * 8;
+  const int nchunks = static_cast<int>(dim / 32);
+  const int per = (nchunks + kMmaWarps - 1) / kMmaWarps;
+  const int j_begin = warp * per, j_end = min(nchunks, j_begin + per);
+  uint4 va[kMmaU], vb[kMmaU];
+  auto load_w = [&](int j0) {
+#pragma unroll
+    for (int u = 0; u < kMmaU; ++u) {
+      const bool ok = j0 + u < j_end;
+      va[u] = ok && a_ok ? ld_stream(wa + (j0 + u) * 32) : make_uint4(0, 0, 0, 0);
+      vb[u] = ok && b_ok ? ld_stream(wb + (j0 + u) * 32) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  load_w(j_begin);  // the weights are no predecessor's output: in flight before the wait
+  pdl_wait();       // every thread: x is the predecessor's output, and the outputs may be memory it still reads
+  pdl_launch_dependents();
+  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int j0 = j_begin; j0 < j_end; j0 += kMmaU) {
+    uint4 vx[kMmaU];
+#pragma unroll
+    for (int u = 0; u < kMmaU; ++u) {
+      vx[u] = j0 + u < j_end ? ld_coherent(xt + (j0 + u) * 32) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kMmaU; ++u) mma_chunk<T>(d, va[u], vb[u], vx[u]);
+    if (j0 + kMmaU < j_end) load_w(j0 + kMmaU);
+  }
+  // d: rows g (d[0], d[1]) and g + 8 (d[2], d[3]), tokens 2c and 2c + 1
+  red[warp][g][2 * c] = d[0];
+  red[warp][g][2 * c + 1] = d[1];
+  red[warp][g + 8][2 * c] = d[2];
+  red[warp][g + 8][2 * c + 1] = d[3];
+  __syncthreads();
+  const int r = threadIdx.x % kMmaRows, t = threadIdx.x / kMmaRows;  // consecutive threads, consecutive rows
+  if (t < n_tokens && t < 8 && tile.row0 + r < tile.rows) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMmaWarps; ++w) sum += red[w][r][t];
+    static_cast<O*>(tile.out)[t * tile.ldo + tile.row0 + r] = out_cast<O>(sum);
+  }
+}
+
 // ------------------------------------------------------------------------------------------ routers
 // J = ceil(E / 32) experts per lane, kept in registers.
 template <int J>
@@ -1533,6 +1624,13 @@ cudaError_t with_dtype(int dtype, F&& f) {
   }
 }
 
+// DSV4RT_GEMV_MMA=0: 2-8 token GEMVs of 16-bit x and weights on moe_gate_kernel instead of gemv_mma_kernel
+// (comparisons only).
+bool gemv_mma_on() {
+  const char* v = std::getenv("DSV4RT_GEMV_MMA");
+  return v == nullptr || *v == '\0' || std::atoi(v) != 0;
+}
+
 bool rows_on() {
   const char* v = std::getenv("DSV4RT_MOE_ROWS");
   return v == nullptr || *v == '\0' || std::atoi(v) != 0;
@@ -1823,6 +1921,24 @@ cudaError_t moe_gemv_launch(const void* x, int dtype, const GemvWeights& ws, int
   }
   const int64_t total = ws.end[ws.n - 1];
   if (total <= 0) return cudaSuccess;
+  if (n_tokens >= 2 && weight_dtype == dtype && dtype != kMoeF32 && dim % 32 == 0 &&
+      (ws.group_rows == 0 || ws.group_rows % kMmaRows == 0) && gemv_mma_on()) {  // the tensor cores (above)
+    int64_t tiles = 0, start = 0;
+    for (int i = 0; i < ws.n; ++i) {
+      tiles += (ws.end[i] - start + kMmaRows - 1) / kMmaRows;
+      start = ws.end[i];
+    }
+    return with_dtype(dtype, [&](auto tag) {
+      using T = decltype(tag);
+      if constexpr (std::is_same_v<T, float>) {
+        return cudaErrorInvalidValue;  // excluded above
+      } else {
+        auto kernel = out_fp32 ? gemv_mma_kernel<T, float> : gemv_mma_kernel<T, T>;
+        return launch(kernel, dim3(static_cast<unsigned>(tiles)), dim3(kMmaWarps * 32), 0, stream, pdl,
+                      static_cast<const T*>(x), ws, static_cast<int>(n_tokens), dim, ldx);
+      }
+    });
+  }
   // threads a row: kGateU 16-byte loads a thread cover a 4,096-wide row (a 1,024-wide 16-bit row: 16 threads, so
   // that q_b's 32,768 rows of 2 KB keep every load live)
   const int wbytes = weight_dtype == kMoeF32 ? 4 : 2;

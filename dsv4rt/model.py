@@ -56,11 +56,11 @@ def fp32_proj_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def project(x: Tensor, *weights: Tensor) -> list[Tensor]:
-    """x @ w.T for each weight, in x's dtype. One token (batch-1 decode): one `moe.linear` call, a GEMV launch over all
+    """x @ w.T for each weight, in x's dtype. Up to 8 tokens (decode): one `moe.linear` call, a GEMV launch over all
     the weights' rows (on an H200, at one token: q_a with kv 6.0 us against cuBLAS's 13.2, q_b with the indexer's q_b
-    21.8 against 24.9, the LM head 230 against 237). More tokens: cuBLAS a weight, as before (at 8 tokens the GEMV
-    kernel, which re-reads x a token, took 2.2-2.6x cuBLAS's time on the large weights)."""
-    if x.shape[0] == 1:  # a static shape (one graph a bucket), not a data-dependent branch
+    21.8 against 24.9, the LM head 230 against 237; 2-8 tokens on the tensor cores, NOT YET MEASURED). More tokens:
+    cuBLAS a weight."""
+    if x.shape[0] <= 8:  # a static shape (one graph a bucket), not a data-dependent branch
         return moe.linear(x, *weights)
     return [F.linear(x, w) for w in weights]
 

@@ -67,11 +67,13 @@ ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # one rounding of
 @pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8, 9, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", list(LINEAR_CASES))
-def test_linear(device, tokens, dtype, case):
-    """Outputs in x's dtype. On CUDA up to 8 tokens take the GEMV kernel (one launch for all weights): each output
-    within one rounding (plus the fp32 sum's order) of the float64 product, deterministic; more tokens take cuBLAS,
-    the reference's own call (grouped: a batched GEMM, held to the same bound). On the CPU the reference, which also
-    meets the bound."""
+@pytest.mark.parametrize("mma", ["1", "0"])  # CUDA, 2-8 tokens: gemv_mma_kernel, or moe_gate_kernel as before
+def test_linear(device, tokens, dtype, case, mma, monkeypatch):
+    """Outputs in x's dtype. On CUDA up to 8 tokens take a GEMV kernel (one launch for all weights; 2-8 tokens on the
+    tensor cores unless DSV4RT_GEMV_MMA=0): each output within one rounding (plus the fp32 sum's order) of the
+    float64 product, deterministic; more tokens take cuBLAS, the reference's own call (grouped: a batched GEMM, held
+    to the same bound). On the CPU the reference, which also meets the bound."""
+    monkeypatch.setenv("DSV4RT_GEMV_MMA", mma)
     width, groups, rows = LINEAR_CASES[case]
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, width, generator=g).to(device=device, dtype=dtype)
@@ -169,8 +171,8 @@ def test_bf16_projection_calls_in_the_model(device, monkeypatch):
     for n in ("linear_fp32", "moe_gate"):  # the prefill's rows (padded to a bucket) and the decode's one row
         assert {t > 8 for m, _, _, t in kinds if m == n} == {True, False}, kinds
     assert any(n == "linear_fp32" and k == 5 for n, k, _, _ in kinds), kinds  # a CSA layer's five, one call
-    # `linear` at one token only (model.project): the decode step's q_a with kv, q_b (with the indexer's on CSA
-    # layers) and o_b a layer, and the LM head of each step (the prefill's one logit row too)
+    # `linear` up to 8 tokens (model.project): the decode step's q_a with kv, q_b (with the indexer's on CSA layers)
+    # and o_b a layer, and the LM head of each step (the prefill's one logit row too)
     assert {(k, t) for n, k, _, t in kinds if n == "linear"} == {(1, 1), (2, 1)}, kinds
     assert sum(n == "linear" for n, *_ in calls) == 3 * model.cfg.num_layers + 2
     for name, x, ws, groups, outs in calls:
