@@ -233,24 +233,23 @@ __device__ __forceinline__ void unpack_w<__half>(const uint4& v, float (&f)[8]) 
   }
 }
 
-// Grid row e of a GemvWeights: its weight and output, the weight's first grid row, its row count, the output's row
-// stride and x's column offset. The selection runs over constant indices (no dynamic indexing of the parameter arrays);
+// Grid row e of a GemvWeights: its weight and output, the weight's first grid row, its row count (the output's row
+// stride) and x's column offset. The selection runs over constant indices (no dynamic indexing of the parameter arrays);
 // rows past the end fall in the last weight.
 struct GemvRow {
   const void* w;
   void* out;
-  int64_t start, rows, ldo, xoff;
+  int64_t start, rows, xoff;
 };
 
 __device__ __forceinline__ GemvRow gemv_row(const GemvWeights& ws, int64_t e, int64_t dim) {
-  GemvRow r{ws.w[0], ws.out[0], 0, ws.end[0], ws.ldo[0], 0};
+  GemvRow r{ws.w[0], ws.out[0], 0, ws.end[0], 0};
 #pragma unroll
   for (int i = 1; i < moe_gemv_max_weights; ++i) {
     if (i < ws.n && e >= ws.end[i - 1]) {
-      r = GemvRow{ws.w[i], ws.out[i], ws.end[i - 1], ws.end[i] - ws.end[i - 1], ws.ldo[i], 0};
+      r = GemvRow{ws.w[i], ws.out[i], ws.end[i - 1], ws.end[i] - ws.end[i - 1], 0};
     }
   }
-  if (r.ldo == 0) r.ldo = r.rows;
   if (ws.group_rows > 0) r.xoff = (e - r.start) / ws.group_rows * dim;  // grouped: row block g reads x's block g
   return r;
 }
@@ -341,7 +340,7 @@ __global__ void __launch_bounds__(kGateThreads, sizeof(T) == 2 ? 2 : 1)
 #pragma unroll
     for (int k = 0; k < kPartsPerRow; ++k) sum += part[rl * kPartsPerRow + k][t];
     const GemvRow o = gemv_row(ws, er, dim);
-    static_cast<O*>(o.out)[t * o.ldo + (er - o.start)] = out_cast<O>(sum);
+    static_cast<O*>(o.out)[t * o.rows + (er - o.start)] = out_cast<O>(sum);
   }
 }
 
@@ -361,11 +360,11 @@ constexpr int kMmaU = 4;      // 32-column chunks a lane loads in one round
 struct MmaTile {
   const void* w;
   void* out;
-  int64_t rows, row0, ldo, xoff;
+  int64_t rows, row0, xoff;
 };
 
 __device__ __forceinline__ MmaTile mma_tile(const GemvWeights& ws, int64_t tile, int64_t dim) {
-  MmaTile r{ws.w[0], ws.out[0], ws.end[0], 0, ws.ldo[0], 0};
+  MmaTile r{ws.w[0], ws.out[0], ws.end[0], 0, 0};
   int64_t t0 = 0, start = 0;
   bool found = false;
 #pragma unroll
@@ -373,14 +372,13 @@ __device__ __forceinline__ MmaTile mma_tile(const GemvWeights& ws, int64_t tile,
     if (i < ws.n) {
       const int64_t rows = ws.end[i] - start, tiles = (rows + kMmaRows - 1) / kMmaRows;
       if (!found && tile < t0 + tiles) {
-        r = MmaTile{ws.w[i], ws.out[i], rows, (tile - t0) * kMmaRows, ws.ldo[i], 0};
+        r = MmaTile{ws.w[i], ws.out[i], rows, (tile - t0) * kMmaRows, 0};
         found = true;
       }
       t0 += tiles;
       start = ws.end[i];
     }
   }
-  if (r.ldo == 0) r.ldo = r.rows;
   if (ws.group_rows > 0) r.xoff = r.row0 / ws.group_rows * dim;
   return r;
 }
@@ -432,7 +430,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
     float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < kMmaWarps; ++w) sum += red[w][r][t];
-    static_cast<O*>(tile.out)[t * tile.ldo + tile.row0 + r] = out_cast<O>(sum);
+    static_cast<O*>(tile.out)[t * tile.rows + tile.row0 + r] = out_cast<O>(sum);
   }
 }
 

@@ -23,14 +23,13 @@ cudaError_t moe_gate_launch(const void* x, int dtype, const void* weight, bool w
 //   out_fp32: fp32 outputs (moe_gate, linear_fp32), weights fp32 or bf16 (weight_dtype), x of any MoeDType;
 //   else (linear): x, weights and outputs all bf16 or all fp16, each sum rounded once.
 // x [T, ldx] (D <= ldx); with group_rows > 0, grid row r of a weight reads x's columns [g * D, g * D + D) for
-// g = r / group_rows (a grouped projection: one weight [G * group_rows, D]). ldo[i]: output i's row stride (0: rows_i).
+// g = r / group_rows (a grouped projection: one weight [G * group_rows, D]). Output i is [T, rows_i], contiguous.
 // T <= moe_gate_max_tokens, D % 8 == 0, ldx % 8 == 0.
 constexpr int moe_gemv_max_weights = 6;
 struct GemvWeights {
   const void* w[moe_gemv_max_weights];
   void* out[moe_gemv_max_weights];
   int64_t end[moe_gemv_max_weights];  // cumulative rows: weight i holds grid rows [end[i - 1], end[i])
-  int64_t ldo[moe_gemv_max_weights];
   int64_t group_rows;                 // 0: no groups
   int n;                              // weights, 1 .. moe_gemv_max_weights
 };
