@@ -96,6 +96,22 @@ bool gemv_x_ok(const at::Tensor& x) {
          (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf);
 }
 
+// One output a weight ([T, N_i] of out_dtype, x's rows) and the GemvWeights that points the launch at them.
+dsv4rt::GemvWeights gemv_weights(const at::Tensor& x, at::TensorList weights, at::ScalarType out_dtype,
+                                 std::vector<at::Tensor>& outs) {
+  dsv4rt::GemvWeights ws{};
+  int64_t end = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    outs.push_back(at::empty({x.size(0), weights[i].size(0)}, x.options().dtype(out_dtype)));
+    end += weights[i].size(0);
+    ws.w[i] = weights[i].data_ptr();
+    ws.out[i] = outs.back().data_ptr();
+    ws.end[i] = end;
+  }
+  ws.n = static_cast<int>(weights.size());
+  return ws;
+}
+
 // linear_fp32: one GEMV launch for every weight when x has at most moe_gate_max_tokens rows and the weights share one
 // type (and at most moe_gemv_max_weights of them); else one GEMM each (linear_fp32_gemm).
 std::vector<at::Tensor> linear_fp32_cuda(const at::Tensor& x, at::TensorList weights) {
@@ -119,16 +135,7 @@ std::vector<at::Tensor> linear_fp32_cuda(const at::Tensor& x, at::TensorList wei
     for (const at::Tensor& w : weights) outs.push_back(linear_fp32_gemm(x, w));
     return outs;
   }
-  dsv4rt::GemvWeights ws{};
-  int64_t end = 0;
-  for (size_t i = 0; i < weights.size(); ++i) {
-    outs.push_back(at::empty({x.size(0), weights[i].size(0)}, x.options().dtype(at::kFloat)));
-    end += weights[i].size(0);
-    ws.w[i] = weights[i].data_ptr();
-    ws.out[i] = outs.back().data_ptr<float>();
-    ws.end[i] = end;
-  }
-  ws.n = static_cast<int>(weights.size());
+  const dsv4rt::GemvWeights ws = gemv_weights(x, weights, at::kFloat, outs);
   check_launch(dsv4rt::moe_gemv_launch(x.data_ptr(), dtype_code(x.scalar_type()), ws,
                                        dtype_code(weights[0].scalar_type()), true, x.size(0), x.size(1), x.size(1),
                                        c10::cuda::getCurrentCUDAStream(), use_pdl()),
@@ -177,18 +184,9 @@ std::vector<at::Tensor> linear_cuda(const at::Tensor& x, at::TensorList weights,
     }
     return outs;
   }
-  dsv4rt::GemvWeights ws{};
-  int64_t end = 0;
-  for (size_t i = 0; i < weights.size(); ++i) {
-    outs.push_back(at::empty({x.size(0), weights[i].size(0)}, x.options()));
-    end += weights[i].size(0);
-    ws.w[i] = weights[i].data_ptr();
-    ws.out[i] = outs.back().data_ptr();
-    ws.end[i] = end;
-  }
-  ws.n = static_cast<int>(weights.size());
+  dsv4rt::GemvWeights ws = gemv_weights(x, weights, x.scalar_type(), outs);
   ws.group_rows = groups > 1 ? weights[0].size(0) / groups : 0;
-  if (end > 0) {
+  if (ws.end[ws.n - 1] > 0) {
     check_launch(dsv4rt::moe_gemv_launch(x.data_ptr(), dtype_code(x.scalar_type()), ws, dtype_code(x.scalar_type()),
                                          false, x.size(0), k, x.size(1), c10::cuda::getCurrentCUDAStream(), use_pdl()),
                  "linear");

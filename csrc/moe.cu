@@ -383,7 +383,7 @@ __device__ __forceinline__ MmaTile mma_tile(const GemvWeights& ws, int64_t tile,
   return r;
 }
 
-template <typename T, typename O>
+template <typename T, typename O, bool kTwo>
 __global__ void __launch_bounds__(kMmaWarps * 32)
     gemv_mma_kernel(const T* x, const GemvWeights ws, int n_tokens, int64_t dim, int64_t ldx) {
   __shared__ float red[kMmaWarps][kMmaRows][8];
@@ -397,27 +397,42 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   const int per = (nchunks + kMmaWarps - 1) / kMmaWarps;
   const int j_begin = warp * per, j_end = min(nchunks, j_begin + per);
   uint4 va[kMmaU], vb[kMmaU];
-  auto load_w = [&](int j0) {
+  auto load_w = [&](int j0, uint4 (&a)[kMmaU], uint4 (&b)[kMmaU]) {
 #pragma unroll
     for (int u = 0; u < kMmaU; ++u) {
       const bool ok = j0 + u < j_end;
-      va[u] = ok && a_ok ? ld_stream(wa + (j0 + u) * 32) : make_uint4(0, 0, 0, 0);
-      vb[u] = ok && b_ok ? ld_stream(wb + (j0 + u) * 32) : make_uint4(0, 0, 0, 0);
+      a[u] = ok && a_ok ? ld_stream(wa + (j0 + u) * 32) : make_uint4(0, 0, 0, 0);
+      b[u] = ok && b_ok ? ld_stream(wb + (j0 + u) * 32) : make_uint4(0, 0, 0, 0);
     }
   };
-  load_w(j_begin);  // the weights are no predecessor's output: in flight before the wait
-  pdl_wait();       // every thread: x is the predecessor's output, and the outputs may be memory it still reads
-  pdl_launch_dependents();
   float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int j0 = j_begin; j0 < j_end; j0 += kMmaU) {
+  auto round = [&](int j0, const uint4 (&a)[kMmaU], const uint4 (&b)[kMmaU]) {  // x's chunks, then the products
     uint4 vx[kMmaU];
 #pragma unroll
     for (int u = 0; u < kMmaU; ++u) {
       vx[u] = j0 + u < j_end ? ld_coherent(xt + (j0 + u) * 32) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int u = 0; u < kMmaU; ++u) mma_chunk<T>(d, va[u], vb[u], vx[u]);
-    if (j0 + kMmaU < j_end) load_w(j0 + kMmaU);
+    for (int u = 0; u < kMmaU; ++u) mma_chunk<T>(d, a[u], b[u], vx[u]);
+  };
+  load_w(j_begin, va, vb);  // the weights are no predecessor's output: in flight before the wait
+  pdl_wait();               // every thread: x is the predecessor's output, and the outputs may be memory it still reads
+  pdl_launch_dependents();
+  if constexpr (kTwo) {
+    // two rounds of weight loads in flight: round j0 + kMmaU's are issued before round j0's products wait for theirs
+    // (chunks past j_end load zeros and add nothing; the chunks' order, and so the sums, are the one-round loop's)
+    uint4 wa2[kMmaU], wb2[kMmaU];
+    for (int j0 = j_begin; j0 < j_end; j0 += 2 * kMmaU) {
+      load_w(j0 + kMmaU, wa2, wb2);
+      round(j0, va, vb);
+      load_w(j0 + 2 * kMmaU, va, vb);
+      round(j0 + kMmaU, wa2, wb2);
+    }
+  } else {
+    for (int j0 = j_begin; j0 < j_end; j0 += kMmaU) {
+      round(j0, va, vb);
+      if (j0 + kMmaU < j_end) load_w(j0 + kMmaU, va, vb);
+    }
   }
   // d: rows g (d[0], d[1]) and g + 8 (d[2], d[3]), tokens 2c and 2c + 1
   red[warp][g][2 * c] = d[0];
@@ -1622,11 +1637,11 @@ cudaError_t with_dtype(int dtype, F&& f) {
   }
 }
 
-// DSV4RT_GEMV_MMA=0: 2-8 token GEMVs of 16-bit x and weights on moe_gate_kernel instead of gemv_mma_kernel
-// (comparisons only).
-bool gemv_mma_on() {
+// DSV4RT_GEMV_MMA (comparisons only): 0 runs 2-8 token GEMVs of 16-bit x and weights on moe_gate_kernel instead of
+// gemv_mma_kernel, 1 on its one-round instance only, 2 on its two-round instance only; unset: the launcher's choice.
+int gemv_mma_mode() {
   const char* v = std::getenv("DSV4RT_GEMV_MMA");
-  return v == nullptr || *v == '\0' || std::atoi(v) != 0;
+  return v == nullptr || *v == '\0' ? -1 : std::atoi(v);
 }
 
 bool rows_on() {
@@ -1920,7 +1935,7 @@ cudaError_t moe_gemv_launch(const void* x, int dtype, const GemvWeights& ws, int
   const int64_t total = ws.end[ws.n - 1];
   if (total <= 0) return cudaSuccess;
   if (n_tokens >= 2 && weight_dtype == dtype && dtype != kMoeF32 && dim % 32 == 0 &&
-      (ws.group_rows == 0 || ws.group_rows % kMmaRows == 0) && gemv_mma_on()) {  // the tensor cores (above)
+      (ws.group_rows == 0 || ws.group_rows % kMmaRows == 0) && gemv_mma_mode() != 0) {  // the tensor cores (above)
     int64_t tiles = 0, start = 0;
     for (int i = 0; i < ws.n; ++i) {
       tiles += (ws.end[i] - start + kMmaRows - 1) / kMmaRows;
@@ -1931,7 +1946,12 @@ cudaError_t moe_gemv_launch(const void* x, int dtype, const GemvWeights& ws, int
       if constexpr (std::is_same_v<T, float>) {
         return cudaErrorInvalidValue;  // excluded above
       } else {
-        auto kernel = out_fp32 ? gemv_mma_kernel<T, float> : gemv_mma_kernel<T, T>;
+        // two rounds in flight when a warp's share of the row takes more than one (H200, 8 tokens: 4,096-wide q_a
+        // with kv 8.7 -> 6.6 us, 8,192-wide o_b 29.1 -> 21.2; 1,024-wide q_b, one round, 23.4 -> 27.5 with two)
+        const int mode = gemv_mma_mode();
+        const bool two = mode == 2 || (mode != 1 && dim > 32 * kMmaWarps * kMmaU);
+        auto kernel = out_fp32 ? (two ? gemv_mma_kernel<T, float, true> : gemv_mma_kernel<T, float, false>)
+                               : (two ? gemv_mma_kernel<T, T, true> : gemv_mma_kernel<T, T, false>);
         return launch(kernel, dim3(static_cast<unsigned>(tiles)), dim3(kMmaWarps * 32), 0, stream, pdl,
                       static_cast<const T*>(x), ws, static_cast<int>(n_tokens), dim, ldx);
       }

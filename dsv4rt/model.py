@@ -55,12 +55,13 @@ def fp32_proj_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def project(x: Tensor, *weights: Tensor) -> list[Tensor]:
-    """x @ w.T for each weight, in x's dtype. Up to 8 tokens (decode): one `moe.linear` call, a GEMV launch over all
-    the weights' rows (on an H200, at one token: q_a with kv 6.0 us against cuBLAS's 13.2, q_b with the indexer's q_b
-    21.8 against 24.9, the LM head 230 against 237; 2-8 tokens on the tensor cores, NOT YET MEASURED). More tokens:
-    cuBLAS a weight."""
-    if x.shape[0] <= 8:  # a static shape (one graph a bucket), not a data-dependent branch
+def project(x: Tensor, *weights: Tensor, gemv_tokens: int = 8) -> list[Tensor]:
+    """x @ w.T for each weight, in x's dtype. Up to `gemv_tokens` tokens (decode): one `moe.linear` call, a GEMV launch
+    over all the weights' rows; more tokens: cuBLAS a weight. On an H200 (graph-replayed, us; `linear` / cuBLAS): one
+    token, q_a with kv 6.0 / 14.7, q_b with the indexer's q_b 22.4 / 25.4, o_b 21.3 / 22.2, the LM head 235 / 247;
+    eight tokens (the tensor-core GEMV) 6.6 / 15.1, 23.4 / 25.9, 21.5 / 22.5, and the LM head 273 / 248, so the LM head
+    passes `gemv_tokens=1`."""
+    if x.shape[0] <= gemv_tokens:  # a static shape (one graph a bucket), not a data-dependent branch
         return moe.linear(x, *weights)
     return [F.linear(x, w) for w in weights]
 
@@ -308,7 +309,7 @@ class Model(nn.Module):
         h = self.hc_head
         x = mhc.hc_head(streams, h.hc_fn, h.hc_base, h.hc_scale, cfg.hc_eps, cfg.norm_eps)
         x = rms_norm(x, self.norm.weight, cfg.norm_eps)
-        (logits,) = project(x[st.logit_rows], self.lm_head.weight)
+        (logits,) = project(x[st.logit_rows], self.lm_head.weight, gemv_tokens=1)
         return logits.float()
 
     # --------------------------------------------------------------- construction

@@ -215,10 +215,11 @@ def linear(x: Tensor, *weights: Tensor, groups: int = 1) -> list[Tensor]:
     grouped weight (see `linear_ref`).
 
     Shapes: x [T, G*K], each weight [N_i, K] of x's dtype -> [T, N_i] each. On CUDA, bf16 or fp16 x with up to 8
-    tokens and 6 weights takes one GEMV launch over all their rows (the weights read once; at one token on an H200
-    q_b with the indexer's q_b, 84 MB, took 21.8 us against cuBLAS's 24.9); otherwise cuBLAS a weight (a batched GEMM
-    for groups). The GEMV re-reads x a token: at 8 tokens it took 2.2-2.6x cuBLAS's time on large weights, so the
-    model calls it at one token only (`model.project`). Capture-safe.
+    tokens and 6 weights takes one GEMV launch over all their rows (the weights read once; one token: `moe_gate`'s
+    kernel; 2-8 tokens: a tensor-core GEMV, K a multiple of 32). On an H200 q_b with the indexer's q_b (84 MB) took
+    22.4 / 23.4 us at 1 / 8 tokens against cuBLAS's 25.4 / 25.9; the LM head (1 GB) 235 / 273 against 247 / 248, so
+    the model takes cuBLAS for it above one token (`model.project`). Otherwise cuBLAS a weight (a batched GEMM for
+    groups). Capture-safe.
     """
     return list(torch.ops.dsv4rt.linear.default(x.contiguous(), list(weights), groups))
 

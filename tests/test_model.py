@@ -59,7 +59,8 @@ def test_linear_fp32_errors(device):
 # (x width, groups, weight rows): two weights of a 2,048-wide x (64 threads a row), of a 1,024-wide x (16 threads a
 # row, as q_b), odd row counts that share CTAs, and grouped projections as o_a (groups of 512 and of 2,048 columns)
 LINEAR_CASES = {"wide": (2048, 1, (300, 64, 2)), "narrow": (1024, 1, (520, 130, 7)), "grouped": (2048, 4, (4 * 96,)),
-                "grouped_wide": (4096, 2, (2 * 72,))}
+                "grouped_wide": (4096, 2, (2 * 72,)), "ragged": (2080, 1, (40, 24))}  # ragged: 65 chunks of 32,
+# 9 a warp (the tensor-core GEMV's two-round loop runs past its warp's last chunk); wide: 8 a warp
 ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # one rounding of the fp32 sum: half an ulp, doubled
 
 
@@ -67,7 +68,7 @@ ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # one rounding of
 @pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8, 9, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", list(LINEAR_CASES))
-@pytest.mark.parametrize("mma", ["1", "0"])  # CUDA, 2-8 tokens: gemv_mma_kernel, or moe_gate_kernel as before
+@pytest.mark.parametrize("mma", ["", "1", "2", "0"])  # CUDA, 2-8 tokens: gemv_mma_kernel (auto, one round, two), or not
 def test_linear(device, tokens, dtype, case, mma, monkeypatch):
     """Outputs in x's dtype. On CUDA up to 8 tokens take a GEMV kernel (one launch for all weights; 2-8 tokens on the
     tensor cores unless DSV4RT_GEMV_MMA=0): each output within one rounding (plus the fp32 sum's order) of the
@@ -96,6 +97,9 @@ def test_linear(device, tokens, dtype, case, mma, monkeypatch):
         assert ((out.double() - want).abs() <= bound).all(), ((out.double() - want).abs() / bound).max().item()
     again = linear(x, *ws, groups=groups)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
+    if mma in ("1", "2") and 2 <= tokens <= 8:  # both instances sum the chunks in one order: equal bit for bit
+        monkeypatch.setenv("DSV4RT_GEMV_MMA", "2" if mma == "1" else "1")
+        assert all(torch.equal(a, b) for a, b in zip(got, linear(x, *ws, groups=groups)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
