@@ -131,7 +131,7 @@ class Attention(nn.Module):
         """rot: the step's `rope_table(st.positions, inv_freq)`."""
         cfg = self.cfg
         n_tok, eps, rd = x.shape[0], cfg.norm_eps, cfg.rope_dim
-        # the projections of one input share a launch at batch-1 decode (`project`)
+        # the projections of one input share a launch at decode up to 8 tokens (`project`)
         qa, kv = project(x, self.q_a_proj.weight, self.kv_proj.weight)
         qr = rms_norm(qa, self.q_a_norm.weight, eps)
         if self.layer_type == CSA:  # the indexer's query projection reads qr too
