@@ -28,3 +28,20 @@ def test_bench_decode_tiny(benchmark, runtime, batch):
     finally:
         for h in handles:
             runtime.release(h)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_bench_step_api(benchmark, runtime, batch):
+    """A `Runtime.step()` decode call as a caller makes it: validation, prepare, the replay and the returned
+    logits' copy to the host (each round advances the requests one token: 55 rounds fit the 64 positions of room)."""
+    handles = [runtime.admit_synthetic(4096, seed=i) for i in range(batch)]
+    try:
+        feed = {h: [1] for h in handles}
+        out = runtime.step(feed)
+        assert sorted(out) == sorted(handles)
+        assert all(v.shape == (runtime.model.cfg.vocab_size,) and v.device.type == "cpu" for v in out.values())
+        benchmark.extra_info.update(device=torch.cuda.get_device_name(), batch=batch, context=4096)
+        benchmark.pedantic(lambda: runtime.step(feed), rounds=50, warmup_rounds=4)
+    finally:
+        for h in handles:
+            runtime.release(h)
