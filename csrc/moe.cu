@@ -1958,10 +1958,12 @@ cudaError_t moe_gemv_launch(const void* x, int dtype, const GemvWeights& ws, int
     });
   }
   // threads a row: kGateU 16-byte loads a thread cover a 4,096-wide row (a 1,024-wide 16-bit row: 16 threads, so
-  // that q_b's 32,768 rows of 2 KB keep every load live)
+  // that q_b's 32,768 rows of 2 KB keep every load live; a one-token row wider than 4,096 16-bit weights, o_b's
+  // 8,192: 128 threads, one round of loads where 64 threads took two in series)
   const int wbytes = weight_dtype == kMoeF32 ? 4 : 2;
   const bool narrow = !out_fp32 && dim <= 1024;
-  const int rt = narrow ? 16 : gate_row_threads(wbytes);
+  const bool wide = !out_fp32 && n_tokens == 1 && dim > int64_t{kGateU} * 8 * gate_row_threads(2);
+  const int rt = narrow ? 16 : wide ? 2 * gate_row_threads(2) : gate_row_threads(wbytes);
   const dim3 grid(static_cast<unsigned>((total + kGateThreads / rt - 1) / (kGateThreads / rt)));
   // the token loop's trip count a template argument: one token's call keeps one sum a thread and reads x once, not
   // moe_gate_max_tokens times
@@ -1990,6 +1992,10 @@ cudaError_t moe_gemv_launch(const void* x, int dtype, const GemvWeights& ws, int
       return cudaErrorInvalidValue;  // excluded above (`same`)
     } else {  // linear: weights and output in x's type
       if (narrow) return by_tokens(tag, T{}, T{}, std::integral_constant<int, 16>{});
+      if (wide) {
+        return go(tag, T{}, T{}, std::integral_constant<int, 1>{},
+                  std::integral_constant<int, 2 * gate_row_threads(2)>{});
+      }
       return by_tokens(tag, T{}, T{}, std::integral_constant<int, gate_row_threads(2)>{});
     }
   });

@@ -59,8 +59,10 @@ def test_linear_fp32_errors(device):
 # (x width, groups, weight rows): two weights of a 2,048-wide x (64 threads a row), of a 1,024-wide x (16 threads a
 # row, as q_b), odd row counts that share CTAs, and grouped projections as o_a (groups of 512 and of 2,048 columns)
 LINEAR_CASES = {"wide": (2048, 1, (300, 64, 2)), "narrow": (1024, 1, (520, 130, 7)), "grouped": (2048, 4, (4 * 96,)),
-                "grouped_wide": (4096, 2, (2 * 72,)), "ragged": (2080, 1, (40, 24))}  # ragged: 65 chunks of 32,
-# 9 a warp (the tensor-core GEMV's two-round loop runs past its warp's last chunk); wide: 8 a warp
+                "grouped_wide": (4096, 2, (2 * 72,)), "ragged": (2080, 1, (40, 24)),
+                "wider": (8224, 1, (70, 3))}  # ragged: 65 chunks of 32, 9 a warp (the tensor-core GEMV's two-round
+# loop runs past its warp's last chunk); wide: 8 a warp; wider: one token's rows above 4,096 (128 threads a row,
+# o_b's 8,192; a partial last round)
 ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # one rounding of the fp32 sum: half an ulp, doubled
 
 
