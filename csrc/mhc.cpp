@@ -1,5 +1,6 @@
 // Torch binding of the mHC family: checks, output allocation, then csrc/mhc.cu on the current stream.
 #include <cstdint>
+#include <optional>
 #include <tuple>
 
 #include <ATen/core/Tensor.h>
@@ -83,15 +84,33 @@ dsv4rt::HcMixArgs mix_args(const at::Tensor& x, const at::Tensor& fn, const at::
   return a;
 }
 
+// The optional output norm's weight: [D] fp32 on x's device, 16-byte aligned (float4 loads).
+void check_out_norm(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& norm_weight) {
+  if (!norm_weight.has_value()) return;
+  const at::Tensor& w = *norm_weight;
+  check_f32(op, w, "norm_weight", x.device(), x.size(2));
+  TORCH_CHECK(w.dim() == 1, op, ": norm_weight must be [D = ", dsv4rt::num(x.size(2)), "]");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0, op, ": norm_weight must be 16-byte aligned");
+}
+
+void set_out_norm(dsv4rt::HcMixArgs& a, const std::optional<at::Tensor>& norm_weight, double out_eps) {
+  if (!norm_weight.has_value()) return;
+  a.norm_w = norm_weight->data_ptr<float>();
+  a.out_eps = static_cast<float>(out_eps);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_cuda(const at::Tensor& x, const at::Tensor& fn,
                                                             const at::Tensor& base, const at::Tensor& scale,
-                                                            int64_t iters, double eps, double norm_eps) {
+                                                            int64_t iters, double eps, double norm_eps,
+                                                            const std::optional<at::Tensor>& norm_weight,
+                                                            double out_eps) {
   constexpr const char* op = "hc_pre";
   check_streams(op, x);
   const int64_t n_tok = x.size(0), n = x.size(1), d = x.size(2);
   check_mix_params(op, x, fn, base, scale, (2 + n) * n, 3);
   TORCH_CHECK(iters <= INT32_MAX, op, ": iters too large");
   dtype_code(op, x.scalar_type());
+  check_out_norm(op, x, norm_weight);
   at::Tensor out = at::empty({n_tok, d}, x.options());
   at::Tensor post = at::empty({n_tok, n}, x.options().dtype(at::kFloat));
   at::Tensor comb = at::empty({n_tok, n, n}, x.options().dtype(at::kFloat));
@@ -101,21 +120,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_pre_cuda(const at::Tensor& x, 
   a.post = post.data_ptr<float>();
   a.comb = comb.data_ptr<float>();
   a.iters = static_cast<int>(iters);
+  set_out_norm(a, norm_weight, out_eps);
   launch_check(op, dsv4rt::hc_mix_launch(a, c10::cuda::getCurrentCUDAStream()));
   return {out, post, comb};
 }
 
 at::Tensor hc_head_cuda(const at::Tensor& x, const at::Tensor& fn, const at::Tensor& base, const at::Tensor& scale,
-                        double eps, double norm_eps) {
+                        double eps, double norm_eps, const std::optional<at::Tensor>& norm_weight, double out_eps) {
   constexpr const char* op = "hc_head";
   check_streams(op, x);
   const int64_t n_tok = x.size(0), d = x.size(2);
   check_mix_params(op, x, fn, base, scale, x.size(1), 1);
   dtype_code(op, x.scalar_type());
+  check_out_norm(op, x, norm_weight);
   at::Tensor out = at::empty({n_tok, d}, x.options());
   if (n_tok == 0) return out;
   const c10::cuda::CUDAGuard guard(x.device());
   dsv4rt::HcMixArgs a = mix_args(x, fn, base, scale, out, true, eps, norm_eps, op);
+  set_out_norm(a, norm_weight, out_eps);
   launch_check(op, dsv4rt::hc_mix_launch(a, c10::cuda::getCurrentCUDAStream()));
   return out;
 }

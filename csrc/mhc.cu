@@ -11,7 +11,10 @@
 //     computes post and the Sinkhorn matrix (hc_pre): for n <= 4 the whole matrix in each lane's registers
 //     (sinkhorn_regs), else one matrix element per lane (two when n*n > 32) in shared memory; row and column sums
 //     in index order; the reference's order of normalisations and eps placement (softmax + eps, column, then
-//     iters - 1 times row and column).
+//     iters - 1 times row and column). With a norm weight (the block's input / post-attention norm, the final
+//     norm after hc_head) the collapsing warps then RMS-normalise the collapsed row as rms_norm_kernel does (the sum
+//     of squares of the rounded outputs, reduced among those warps at a named barrier, then each thread rescales
+//     the groups it stored): one launch of rms_norm less a sublayer.
 // hc_post: one thread per (token, 4 channels): the n source streams and y in registers, n destination streams out.
 // Every grid is launched with programmatic dependent launch (DSV4RT_MHC_PDL=0: plain launches): hc_post lets the
 // next grid start at once, the partial grid brings its weight slice into L2 before it waits, the finish grid loads
@@ -65,6 +68,21 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 __device__ __forceinline__ float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+// v rounded to T and back (what a store to T then a load reads)
+template <typename T>
+__device__ __forceinline__ float round_t(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return __bfloat162float(__float2bfloat16_rn(v));
+  }
+}
+
+// Barrier `id` among the first-arriving `threads` threads (a multiple of 32) of the CTA.
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 
 // acc[m] += fn[m, 4g..4g+3] . f[4g..4g+3] for m < m_rows, acc[CAP] += |f[4g..4g+3]|^2, over float4 groups
 // g = g0, g0 + step, ... < g1. The loads of a group's rows carry no condition (rows past m_rows read row m_rows - 1
@@ -245,7 +263,7 @@ __device__ __forceinline__ int collapse_step(bool sinkhorn) { return kThreads - 
 // the group is summed. Every thread of the CTA calls it.
 template <int NX, typename T>
 __device__ __forceinline__ void mix_finish(const HcMixArgs& a, int64_t t, const float* s_mix, float* s_pre,
-                                           float* s_c, int m_rows, bool sinkhorn, float4 (&cur)[NX]) {
+                                           float* s_c, float* s_sq, int m_rows, bool sinkhorn, float4 (&cur)[NX]) {
   const int lane = threadIdx.x % 32, n = a.n, d = a.d;
   const int64_t k_dim = static_cast<int64_t>(n) * d;
   const float rms = 1.0f / sqrtf(s_mix[m_rows] / static_cast<float>(k_dim) + a.norm_eps);
@@ -345,6 +363,7 @@ __device__ __forceinline__ void mix_finish(const HcMixArgs& a, int64_t t, const 
     T* out_row = static_cast<T*>(a.out) + t * d;
     const int64_t groups = d / 4;
     const int step = collapse_step(sinkhorn);
+    float sq = 0.0f;  // with norm_w: the sum of squares of the thread's rounded outputs
     for (int64_t g = collapse_first(sinkhorn); g < groups; g += step) {
       float4 next[NX];
       if (g + step < groups) load_streams<NX>(next, x_row, n, d, g + step);
@@ -360,8 +379,31 @@ __device__ __forceinline__ void mix_finish(const HcMixArgs& a, int64_t t, const 
         }
       }
       store4(out_row + 4 * g, acc);
+      if (a.norm_w != nullptr) {
+        const float r[4] = {round_t<T>(acc.x), round_t<T>(acc.y), round_t<T>(acc.z), round_t<T>(acc.w)};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sq = __fadd_rn(sq, __fmul_rn(r[i], r[i]));
+      }
 #pragma unroll
       for (int j = 0; j < NX; ++j) cur[j] = next[j];
+    }
+    if (a.norm_w != nullptr) {
+      // rms_norm of the collapsed row (rms_norm_kernel's arithmetic: mean = sum * (1 / d), w * (x * r) each
+      // rounded to fp32), among the collapsing warps only (named barrier 1), so the Sinkhorn warp is not waited
+      // for. Each thread rescales the groups it stored (its own writes: visible to it).
+      const int cw = step / 32, w0 = sinkhorn ? 1 : 0;
+      sq = warp_sum(sq);
+      if (lane == 0) s_sq[threadIdx.x / 32 - w0] = sq;
+      named_bar_sync(1, step);
+      float total = 0.0f;
+      for (int w = 0; w < cw; ++w) total = __fadd_rn(total, s_sq[w]);
+      const float rr = rsqrtf(__fadd_rn(__fmul_rn(total, 1.0f / static_cast<float>(d)), a.out_eps));
+      for (int64_t g = collapse_first(sinkhorn); g < groups; g += step) {
+        const float4 v = load4(out_row + 4 * g);
+        const float4 nw = *reinterpret_cast<const float4*>(a.norm_w + 4 * g);
+        store4(out_row + 4 * g, make_float4(__fmul_rn(nw.x, __fmul_rn(v.x, rr)), __fmul_rn(nw.y, __fmul_rn(v.y, rr)),
+                                            __fmul_rn(nw.z, __fmul_rn(v.z, rr)), __fmul_rn(nw.w, __fmul_rn(v.w, rr))));
+      }
     }
   }
 }
@@ -397,6 +439,7 @@ __global__ void __launch_bounds__(kThreads, MINB) hc_mix_finish_kernel(HcMixArgs
   __shared__ float s_red[kWarps][CAP + 1];
   __shared__ float s_pre[kMaxN];
   __shared__ float s_c[kMaxN * kMaxN];
+  __shared__ float s_sq[kWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t t = blockIdx.x;
   const int64_t k_dim = static_cast<int64_t>(a.n) * a.d;
@@ -438,7 +481,7 @@ __global__ void __launch_bounds__(kThreads, MINB) hc_mix_finish_kernel(HcMixArgs
   __syncthreads();  // the partials in the output row are all read: the row may be overwritten after the next barrier
   if (n_splits == 0 && g >= 0 && g < a.d / 4) load_streams<NX>(cur, x_row, a.n, a.d, g);
   pdl_launch_dependents();
-  mix_finish<NX, T>(a, t, s_mix, s_pre, s_c, m_rows, sinkhorn, cur);
+  mix_finish<NX, T>(a, t, s_mix, s_pre, s_c, s_sq, m_rows, sinkhorn, cur);
 }
 
 template <typename T>

@@ -25,6 +25,8 @@ struct HcMixArgs {
   bool sinkhorn_smem = false;  // set by the launcher (DSV4RT_MHC_SINKHORN=smem): Sinkhorn in shared memory at every n
   float eps;
   float norm_eps;
+  const float* norm_w = nullptr;  // [D] fp32, or null: out = rms_norm(collapsed, norm_w, out_eps)
+  float out_eps = 0.0f;
 };
 
 // hc_post: out[t, k] = post[t, k] * y[t] + sum_j comb[t, j, k] * x[t, j].

@@ -260,12 +260,15 @@ class Block(nn.Module):
                 rot: tuple[Tensor, Tensor]) -> Tensor:
         cfg = self.cfg
         hc = self.attn_hc
-        x, post, comb = mhc.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_iters, cfg.hc_eps, cfg.norm_eps)
-        y = self.self_attn(rms_norm(x, self.input_layernorm.weight, cfg.norm_eps), st, lc, inv_freq, rot)
+        # each hc_pre returns its collapsed row already through the sublayer's RMSNorm (one launch, not two)
+        x, post, comb = mhc.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_iters, cfg.hc_eps, cfg.norm_eps,
+                                   self.input_layernorm.weight, cfg.norm_eps)
+        y = self.self_attn(x, st, lc, inv_freq, rot)
         streams = mhc.hc_post(streams, y, post, comb)
         hc = self.ffn_hc
-        x, post, comb = mhc.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_iters, cfg.hc_eps, cfg.norm_eps)
-        y = self.mlp(rms_norm(x, self.post_attention_layernorm.weight, cfg.norm_eps), st.token_ids)
+        x, post, comb = mhc.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_iters, cfg.hc_eps, cfg.norm_eps,
+                                   self.post_attention_layernorm.weight, cfg.norm_eps)
+        y = self.mlp(x, st.token_ids)
         return mhc.hc_post(streams, y, post, comb)
 
 
@@ -307,8 +310,8 @@ class Model(nn.Module):
                 tables[sliding] = rope_table(st.positions, inv_freq)
             streams = layer(streams, st, lc, inv_freq, tables[sliding])
         h = self.hc_head
-        x = mhc.hc_head(streams, h.hc_fn, h.hc_base, h.hc_scale, cfg.hc_eps, cfg.norm_eps)
-        x = rms_norm(x, self.norm.weight, cfg.norm_eps)
+        x = mhc.hc_head(streams, h.hc_fn, h.hc_base, h.hc_scale, cfg.hc_eps, cfg.norm_eps, self.norm.weight,
+                        cfg.norm_eps)
         (logits,) = project(x[st.logit_rows], self.lm_head.weight, gemv_tokens=1)
         return logits.float()
 

@@ -1,22 +1,33 @@
-"""Manifold-constrained hyper-connection family: hc_pre (mix, Sinkhorn, collapse), hc_post, hyper head. All fp32."""
+"""Manifold-constrained hyper-connection family: hc_pre (mix, Sinkhorn, collapse), hc_post, hyper head. All fp32.
+
+hc_pre and hc_head take an optional `norm_weight`: the collapsed row then goes through rms_norm(., norm_weight,
+out_eps) in the same launch (the block's input / post-attention norm, the model's final norm)."""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import Tensor
 
+from .norm import rms_norm_ref
+
 torch.library.define(
     "dsv4rt::hc_pre",
-    "(Tensor x, Tensor fn, Tensor base, Tensor scale, int iters, float eps, float norm_eps) -> (Tensor, Tensor, Tensor)",
+    "(Tensor x, Tensor fn, Tensor base, Tensor scale, int iters, float eps, float norm_eps, Tensor? norm_weight=None, "
+    "float out_eps=0.0) -> (Tensor, Tensor, Tensor)",
 )
 torch.library.define("dsv4rt::hc_post", "(Tensor x, Tensor y, Tensor post, Tensor comb) -> Tensor")
 torch.library.define(
-    "dsv4rt::hc_head", "(Tensor x, Tensor fn, Tensor base, Tensor scale, float eps, float norm_eps) -> Tensor"
+    "dsv4rt::hc_head",
+    "(Tensor x, Tensor fn, Tensor base, Tensor scale, float eps, float norm_eps, Tensor? norm_weight=None, "
+    "float out_eps=0.0) -> Tensor",
 )
 
 
 @torch.library.register_fake("dsv4rt::hc_pre")
-def _hc_pre_fake(x, fn, base, scale, iters, eps, norm_eps):
+def _hc_pre_fake(x, fn, base, scale, iters, eps, norm_eps, norm_weight=None, out_eps=0.0):
     torch._check(x.dim() == 3)
+    _check_norm_weight("hc_pre", x, norm_weight)
     t, n, d = x.shape
     torch._check(fn.shape[0] == (2 + n) * n and fn.shape[1] == n * d)
     return (x.new_empty((t, d)), x.new_empty((t, n), dtype=torch.float32),
@@ -30,9 +41,23 @@ def _hc_post_fake(x, y, post, comb):
 
 
 @torch.library.register_fake("dsv4rt::hc_head")
-def _hc_head_fake(x, fn, base, scale, eps, norm_eps):
+def _hc_head_fake(x, fn, base, scale, eps, norm_eps, norm_weight=None, out_eps=0.0):
     torch._check(x.dim() == 3 and fn.shape[0] == x.shape[1])
+    _check_norm_weight("hc_head", x, norm_weight)
     return x.new_empty((x.shape[0], x.shape[2]))
+
+
+def _check_norm_weight(op: str, x: Tensor, w: Optional[Tensor]) -> None:
+    if w is not None:
+        torch._check(w.dtype == torch.float32 and w.dim() == 1 and w.shape[0] == x.shape[-1],
+                     lambda: f"{op}: norm_weight must be float32 [{x.shape[-1]}], got {w.dtype} {tuple(w.shape)}")
+
+
+def _out_norm(op: str, out: Tensor, w: Optional[Tensor], eps: float) -> Tensor:
+    if w is None:
+        return out
+    _check_norm_weight(op, out, w)
+    return rms_norm_ref(out, w, eps)
 
 
 def _mix(x: Tensor, fn: Tensor, norm_eps: float) -> Tensor:
@@ -41,8 +66,8 @@ def _mix(x: Tensor, fn: Tensor, norm_eps: float) -> Tensor:
     return flat @ fn.float().t()
 
 
-def hc_pre_ref(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, eps: float,
-               norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+def hc_pre_ref(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, eps: float, norm_eps: float,
+               norm_weight: Optional[Tensor] = None, out_eps: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     n = x.shape[1]
     mix = _mix(x, fn, norm_eps)
     pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
@@ -55,7 +80,7 @@ def hc_pre_ref(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, e
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     collapsed = (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
-    return collapsed, post, comb
+    return _out_norm("hc_pre", collapsed, norm_weight, out_eps), post, comb
 
 
 def hc_post_ref(x: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
@@ -64,10 +89,11 @@ def hc_post_ref(x: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     return out.to(x.dtype)
 
 
-def hc_head_ref(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, eps: float, norm_eps: float) -> Tensor:
+def hc_head_ref(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, eps: float, norm_eps: float,
+                norm_weight: Optional[Tensor] = None, out_eps: float = 0.0) -> Tensor:
     mix = _mix(x, fn, norm_eps)
     pre = torch.sigmoid(mix * scale.float() + base.float()) + eps
-    return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
+    return _out_norm("hc_head", (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype), norm_weight, out_eps)
 
 
 torch.library.impl("dsv4rt::hc_pre", "CompositeExplicitAutograd", hc_pre_ref)
@@ -75,10 +101,11 @@ torch.library.impl("dsv4rt::hc_post", "CompositeExplicitAutograd", hc_post_ref)
 torch.library.impl("dsv4rt::hc_head", "CompositeExplicitAutograd", hc_head_ref)
 
 
-def hc_pre(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, eps: float,
-           norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Shapes: x [T, n, D]; fn [(2+n)n, nD]; base [(2+n)n]; scale [3] -> x [T, D], post [T, n], comb [T, n, n] fp32."""
-    return torch.ops.dsv4rt.hc_pre.default(x, fn, base, scale, iters, eps, norm_eps)
+def hc_pre(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, eps: float, norm_eps: float,
+           norm_weight: Optional[Tensor] = None, out_eps: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """Shapes: x [T, n, D]; fn [(2+n)n, nD]; base [(2+n)n]; scale [3] -> x [T, D], post [T, n], comb [T, n, n] fp32.
+    With norm_weight ([D] fp32) the returned x is rms_norm(x, norm_weight, out_eps)."""
+    return torch.ops.dsv4rt.hc_pre.default(x, fn, base, scale, iters, eps, norm_eps, norm_weight, out_eps)
 
 
 def hc_post(x: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
@@ -86,6 +113,7 @@ def hc_post(x: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     return torch.ops.dsv4rt.hc_post.default(x, y, post, comb)
 
 
-def hc_head(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, eps: float, norm_eps: float) -> Tensor:
-    """Shapes: x [T, n, D]; fn [n, nD]; base [n]; scale [1] -> [T, D]."""
-    return torch.ops.dsv4rt.hc_head.default(x, fn, base, scale, eps, norm_eps)
+def hc_head(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, eps: float, norm_eps: float,
+            norm_weight: Optional[Tensor] = None, out_eps: float = 0.0) -> Tensor:
+    """Shapes: x [T, n, D]; fn [n, nD]; base [n]; scale [1] -> [T, D]; with norm_weight, rms_norm'd as hc_pre."""
+    return torch.ops.dsv4rt.hc_head.default(x, fn, base, scale, eps, norm_eps, norm_weight, out_eps)

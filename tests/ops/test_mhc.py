@@ -15,10 +15,22 @@ DTYPES = [torch.float32, torch.bfloat16]
 # (reduction order over n*D channels, 39 Sinkhorn normalisations); bf16 outputs add one bf16 ulp (2^-8).
 MHC_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-5 + 2**-8}
 
+def _with_norm(factory):
+    """The factory's args plus a norm weight ([D] fp32, not all ones) and its eps: the collapsed row rms_norm'd."""
+    def make(device, dtype=torch.bfloat16, n_tokens=5, seed=0):
+        args = factory(device, dtype, n_tokens, seed)
+        d = args[0].shape[-1]
+        w = 0.5 + torch.rand(d, generator=torch.Generator().manual_seed(seed + 1))
+        return args + (w.to(args[0].device), 1e-5)
+    return make
+
+
 OPS = {  # name -> (factory, reference, wrapper)
     "hc_pre": (hc_pre_inputs, hc_pre_ref, hc_pre),
     "hc_post": (hc_post_inputs, hc_post_ref, hc_post),
     "hc_head": (hc_head_inputs, hc_head_ref, hc_head),
+    "hc_pre_norm": (_with_norm(hc_pre_inputs), hc_pre_ref, hc_pre),
+    "hc_head_norm": (_with_norm(hc_head_inputs), hc_head_ref, hc_head),
 }
 
 
@@ -98,7 +110,7 @@ def _assert_outputs_close(got, want, rel):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(OPS))
 def test_opcheck(name, device):
-    torch.library.opcheck(getattr(torch.ops.dsv4rt, name).default, OPS[name][0](device))
+    torch.library.opcheck(getattr(torch.ops.dsv4rt, name.removesuffix("_norm")).default, OPS[name][0](device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -155,3 +167,39 @@ def test_hc_post_matches_formula(dtype):
 def test_hc_head_matches_formula(dtype):
     args = hc_head_inputs("cpu", dtype)
     torch.testing.assert_close(hc_head(*args).float(), hc_head_loop(*args).float(), **_tol(dtype))
+
+
+def _rms_norm_loop(x, w, eps):
+    """w * x / sqrt(mean(x^2) + eps) per row, float64, rounded to x's dtype."""
+    xd = x.double()
+    return (w.double() * xd / torch.sqrt(xd.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["hc_pre_norm", "hc_head_norm"])
+def test_norm_weight_normalises_the_collapsed_row(name, dtype):
+    """With norm_weight the collapsed row comes back through rms_norm(., norm_weight, out_eps): the formula loop's
+    collapsed row (rounded to x's dtype, as the op returns it without the norm) normalised in float64."""
+    factory, _, wrapper = OPS[name]
+    *args, w, out_eps = factory("cpu", dtype)
+    plain = (hc_pre_loop if name == "hc_pre_norm" else hc_head_loop)(*args)
+    got = wrapper(*args, w, out_eps)
+    if name == "hc_pre_norm":
+        torch.testing.assert_close(got[1], plain[1], rtol=1e-5, atol=1e-5)  # post and comb: the norm leaves them
+        torch.testing.assert_close(got[2], plain[2], rtol=1e-5, atol=1e-5)
+        got, plain = got[0], plain[0]
+    want = _rms_norm_loop(plain, w, out_eps)
+    torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
+    assert not torch.allclose(got.float(), plain.float(), **_tol(dtype))  # the norm did something
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["hc_pre_norm", "hc_head_norm"])
+def test_norm_weight_errors(name, device):
+    factory, _, wrapper = OPS[name]
+    *args, w, out_eps = factory(device, torch.float32)
+    op = name.removesuffix("_norm")
+    with pytest.raises(RuntimeError, match=f"{op}: norm_weight must"):
+        wrapper(*args, w[:-4], out_eps)
+    with pytest.raises(RuntimeError, match=f"{op}: norm_weight must"):
+        wrapper(*args, w.double(), out_eps)

@@ -222,6 +222,36 @@ def test_graph_replay(n_tok, capture_graph):
             assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("split", ["", "0"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("n_tok", [1, 64, 300])
+@pytest.mark.parametrize("op", ["hc_pre", "hc_head"])
+def test_norm_weight_matches_reference(monkeypatch, op, n_tok, d, dtype, split):
+    """With norm_weight the finish kernel RMS-normalises the collapsed row (warps meeting at a named barrier): within
+    two bf16 ulps of the reference (its collapsed row may round one ulp apart, then the norm's own rounding), fp32
+    within REL; post and comb equal the call without the norm bit for bit. Both kernel paths (the mix split over
+    CTAs or not)."""
+    monkeypatch.setenv("DSV4RT_MHC_SPLIT", split)
+    make, ref, fn = (_pre_inputs, hc_pre_ref, hc_pre) if op == "hc_pre" else (_head_inputs, hc_head_ref, hc_head)
+    args = make(n_tok, 4, d, dtype)
+    extra = (20, EPS, NORM_EPS) if op == "hc_pre" else (EPS, NORM_EPS)
+    w = 0.5 + torch.rand(d, generator=torch.Generator().manual_seed(1))
+    want = ref(*args, *extra, w, 1e-5)
+    dev = _cuda(args)
+    got = _poisoned(lambda: fn(*dev, *extra, w.cuda(), 1e-5), [((n_tok, d), dtype)])
+    plain = fn(*dev, *extra)
+    if op == "hc_pre":
+        assert all(torch.equal(a, b) for a, b in zip(got[1:], plain[1:]))
+        got, want = got[0], want[0]
+    if dtype == torch.float32:
+        return _assert_close(got, want, f"{op} with norm_weight")
+    g, wf = got.cpu().float(), want.float()
+    assert torch.isfinite(g).all(), "non-finite values (unwritten output?)"
+    bound = 2 * torch.exp2(torch.floor(torch.log2(wf.abs().clamp_min(1e-30))) - 7)
+    assert ((g - wf).abs() <= bound).all(), f"{((g - wf).abs() > bound).sum().item()} values off by > 2 bf16 ulps"
+
+
 def test_errors():
     x, fn, base, scale = _cuda(_pre_inputs(3, 4, 128, torch.float32))
     with pytest.raises(RuntimeError, match="hc_pre: fn must"):
@@ -232,6 +262,11 @@ def test_errors():
     with pytest.raises(RuntimeError, match=r"hc_head: n = x.size\(1\) must be in \[1, 8\]"):
         torch.ops.dsv4rt.hc_head.default(x9, torch.randn(9, 72, device="cuda"), torch.randn(9, device="cuda"),
                                          torch.ones(1, device="cuda"), EPS, NORM_EPS)
+    with pytest.raises(RuntimeError, match="hc_pre: norm_weight must have 128 elements"):
+        torch.ops.dsv4rt.hc_pre.default(x, fn, base, scale, 20, EPS, NORM_EPS, torch.ones(64, device="cuda"), EPS)
+    with pytest.raises(RuntimeError, match="hc_pre: norm_weight must be 16-byte aligned"):
+        torch.ops.dsv4rt.hc_pre.default(x, fn, base, scale, 20, EPS, NORM_EPS, torch.ones(129, device="cuda")[1:],
+                                        EPS)
     x6 = torch.randn(2, 4, 6, device="cuda")
     with pytest.raises(RuntimeError, match="hc_post: D = x.size\\(2\\) must be a positive multiple of 4"):
         torch.ops.dsv4rt.hc_post.default(x6, torch.randn(2, 6, device="cuda"), torch.rand(2, 4, device="cuda"),
