@@ -142,8 +142,9 @@ at::Tensor hc_head_cuda(const at::Tensor& x, const at::Tensor& fn, const at::Ten
   return out;
 }
 
-at::Tensor hc_post_cuda(const at::Tensor& x, const at::Tensor& y, const at::Tensor& post, const at::Tensor& comb) {
-  constexpr const char* op = "hc_post";
+// hc_post's inputs: x [T, n, D] (check_streams), y [T, D] of x's dtype, post [T, n] and comb [T, n, n] fp32.
+void check_post_inputs(const char* op, const at::Tensor& x, const at::Tensor& y, const at::Tensor& post,
+                       const at::Tensor& comb) {
   check_streams(op, x);
   const int64_t n_tok = x.size(0), n = x.size(1), d = x.size(2);
   const at::Device dev = x.device();
@@ -155,6 +156,14 @@ at::Tensor hc_post_cuda(const at::Tensor& x, const at::Tensor& y, const at::Tens
   check_f32(op, post, "post", dev, n_tok * n);
   check_f32(op, comb, "comb", dev, n_tok * n * n);
   TORCH_CHECK(post.dim() == 2 && comb.dim() == 3, op, ": post must be [T, n], comb [T, n, n]");
+  dtype_code(op, x.scalar_type());
+}
+
+at::Tensor hc_post_cuda(const at::Tensor& x, const at::Tensor& y, const at::Tensor& post, const at::Tensor& comb) {
+  constexpr const char* op = "hc_post";
+  check_post_inputs(op, x, y, post, comb);
+  const int64_t n_tok = x.size(0), n = x.size(1), d = x.size(2);
+  const at::Device dev = x.device();
   const int code = dtype_code(op, x.scalar_type());
   at::Tensor out = at::empty(x.sizes(), x.options());
   if (n_tok == 0) return out;
@@ -173,10 +182,41 @@ at::Tensor hc_post_cuda(const at::Tensor& x, const at::Tensor& y, const at::Tens
   return out;
 }
 
+// hc_post, then hc_pre on its output, in one launch sequence (csrc/mhc.cu: hc_post_pre_launch).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre_cuda(
+    const at::Tensor& x, const at::Tensor& y, const at::Tensor& post, const at::Tensor& comb, const at::Tensor& fn,
+    const at::Tensor& base, const at::Tensor& scale, int64_t iters, double eps, double norm_eps,
+    const std::optional<at::Tensor>& norm_weight, double out_eps) {
+  constexpr const char* op = "hc_post_pre";
+  check_post_inputs(op, x, y, post, comb);
+  const int64_t n_tok = x.size(0), n = x.size(1), d = x.size(2);
+  check_mix_params(op, x, fn, base, scale, (2 + n) * n, 3);
+  TORCH_CHECK(iters <= INT32_MAX, op, ": iters too large");
+  check_out_norm(op, x, norm_weight);
+  at::Tensor streams = at::empty(x.sizes(), x.options());  // never x itself: the launch reads x while it writes
+  at::Tensor out = at::empty({n_tok, d}, x.options());
+  at::Tensor post_out = at::empty({n_tok, n}, x.options().dtype(at::kFloat));
+  at::Tensor comb_out = at::empty({n_tok, n, n}, x.options().dtype(at::kFloat));
+  if (n_tok == 0) return {streams, out, post_out, comb_out};
+  const c10::cuda::CUDAGuard guard(x.device());
+  dsv4rt::HcMixArgs a = mix_args(streams, fn, base, scale, out, false, eps, norm_eps, op);
+  a.post = post_out.data_ptr<float>();
+  a.comb = comb_out.data_ptr<float>();
+  a.iters = static_cast<int>(iters);
+  a.post_x = x.data_ptr();
+  a.post_y = y.data_ptr();
+  a.post_post = post.data_ptr<float>();
+  a.post_comb = comb.data_ptr<float>();
+  set_out_norm(a, norm_weight, out_eps);
+  launch_check(op, dsv4rt::hc_post_pre_launch(a, c10::cuda::getCurrentCUDAStream()));
+  return {streams, out, post_out, comb_out};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dsv4rt, CUDA, m) {
   m.impl("hc_pre", &hc_pre_cuda);
   m.impl("hc_post", &hc_post_cuda);
   m.impl("hc_head", &hc_head_cuda);
+  m.impl("hc_post_pre", &hc_post_pre_cuda);
 }

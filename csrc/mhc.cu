@@ -79,6 +79,32 @@ __device__ __forceinline__ float round_t(float v) {
   }
 }
 
+// v rounded to T, componentwise (the value a load of the stored v gives)
+template <typename T>
+__device__ __forceinline__ float4 round4(float4 v) {
+  return make_float4(round_t<T>(v.x), round_t<T>(v.y), round_t<T>(v.z), round_t<T>(v.w));
+}
+
+// hc_post's value of destination stream k at 4 channels: post[k] * y + sum_j comb[j, k] * xv[j] (j < n, in index
+// order). hc_post_kernel and the fused partial grid of hc_post_pre both compute it here: the same bits.
+template <int NX>
+__device__ __forceinline__ float4 post_mix(const float4 (&xv)[NX], float4 yv, const float* comb, const float* post,
+                                           int n, int k) {
+  float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+  for (int j = 0; j < NX; ++j) {
+    if (j < n) {
+      const float c = __ldg(comb + j * n + k);
+      s.x += c * xv[j].x;
+      s.y += c * xv[j].y;
+      s.z += c * xv[j].z;
+      s.w += c * xv[j].w;
+    }
+  }
+  const float p = __ldg(post + k);
+  return make_float4(p * yv.x + s.x, p * yv.y + s.y, p * yv.z + s.z, p * yv.w + s.w);
+}
+
 // Barrier `id` among the first-arriving `threads` threads (a multiple of 32) of the CTA.
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -91,12 +117,12 @@ __device__ __forceinline__ void named_bar_sync(int id, int threads) {
 // 17.8 us a call, graph-replayed).
 constexpr int kMixChunk = 24;
 
-template <int CAP, typename T>
-__device__ __forceinline__ void mix_accumulate(float (&acc)[CAP + 1], const float* __restrict__ fn,
-                                               const T* __restrict__ f, int64_t k_dim, int m_rows, int64_t g0,
-                                               int64_t g1, int64_t step) {
+// load_f(g): the float4 group g of f (a load; hc_post_pre's partial grid computes and stores it first).
+template <int CAP, typename LoadF>
+__device__ __forceinline__ void mix_accumulate_f(float (&acc)[CAP + 1], const float* __restrict__ fn, LoadF load_f,
+                                                 int64_t k_dim, int m_rows, int64_t g0, int64_t g1, int64_t step) {
   for (int64_t g = g0; g < g1; g += step) {
-    const float4 xv = load4(f + 4 * g);
+    const float4 xv = load_f(g);
     acc[CAP] += xv.x * xv.x + xv.y * xv.y + xv.z * xv.z + xv.w * xv.w;
     if constexpr (CAP <= kMixChunk) {  // n <= 4 (hc_pre) / n <= 24 (hc_head)
       float4 w[CAP];
@@ -119,11 +145,21 @@ __device__ __forceinline__ void mix_accumulate(float (&acc)[CAP + 1], const floa
   }
 }
 
+template <int CAP, typename T>
+__device__ __forceinline__ void mix_accumulate(float (&acc)[CAP + 1], const float* __restrict__ fn,
+                                               const T* __restrict__ f, int64_t k_dim, int m_rows, int64_t g0,
+                                               int64_t g1, int64_t step) {
+  mix_accumulate_f<CAP>(acc, fn, [f](int64_t g) { return load4(f + 4 * g); }, k_dim, m_rows, g0, g1, step);
+}
+
 // MINB 1: the grid fits on the SMs at once, so a thread may take every register (all of a group's rows in flight, see
 // mix_accumulate). MINB 2: no minimum in the launch bounds, the compiler's choice (128 registers at CAP 24; an
 // explicit minimum of 2 CTAs an SM gave the same count but issued the row loads one or two at a time between the
 // multiplies: H200, hc_pre at 64 tokens, partial grid 8.8 -> 15.5 us).
-template <int CAP, typename T, int MINB>
+// POST (hc_post_pre, n <= 4): each group of the slice is first made from the streams before (post_mix, as
+// hc_post_kernel makes it), stored into x, and its stored (rounded) value summed: the same partial sums, in the same
+// order, as this grid computes over hc_post's output.
+template <int CAP, typename T, int MINB, bool POST = false>
 __global__ void __launch_bounds__(kThreads, MINB == 1 ? 1 : 0)
     hc_mix_partial_kernel(HcMixArgs a, int m_rows, int64_t kc, int tokens_per_warp) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -147,7 +183,26 @@ __global__ void __launch_bounds__(kThreads, MINB == 1 ? 1 : 0)
     const int64_t t = t0 + i;
     if (t >= a.n_tokens) break;
     float acc[CAP + 1] = {};
-    mix_accumulate<CAP>(acc, a.fn, x + t * k_dim, k_dim, m_rows, g0 + lane, g1, 32);
+    if constexpr (POST) {
+      const int n = a.n, d = a.d;
+      const T* px = static_cast<const T*>(a.post_x) + t * k_dim;
+      const T* py = static_cast<const T*>(a.post_y) + t * d;
+      const float* pc = a.post_comb + t * n * n;
+      const float* pp = a.post_post + t * n;
+      T* nx = const_cast<T*>(x) + t * k_dim;  // the launch's own output (a.x)
+      auto make = [&](int64_t g) {
+        const int f = static_cast<int>(4 * g), k = f / d, c = f - k * d;  // n * D < 2^31 (the binding checks)
+        float4 xv[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) xv[j] = load4(px + (j < n ? j : n - 1) * d + c);
+        const float4 v = post_mix<4>(xv, load4(py + c), pc, pp, n, k);
+        store4(nx + f, v);
+        return round4<T>(v);
+      };
+      mix_accumulate_f<CAP>(acc, a.fn, make, k_dim, m_rows, g0 + lane, g1, 32);
+    } else {
+      mix_accumulate<CAP>(acc, a.fn, x + t * k_dim, k_dim, m_rows, g0 + lane, g1, 32);
+    }
     // partial sums of split s: floats [s*(M+1), (s+1)*(M+1)) of the token's output row; the sum of squares last
     float* part = reinterpret_cast<float*>(static_cast<T*>(a.out) + t * a.d) + split * (m_rows + 1);
 #pragma unroll
@@ -447,7 +502,8 @@ __global__ void __launch_bounds__(kThreads, MINB) hc_mix_finish_kernel(HcMixArgs
   const bool sinkhorn = !a.head;
   const int64_t g = collapse_first(sinkhorn);
   float4 cur[NX];
-  if (n_splits > 0 && g >= 0 && g < a.d / 4) load_streams<NX>(cur, x_row, a.n, a.d, g);
+  // (hc_post_pre's fused partial grid writes x: loaded after the wait)
+  if (n_splits > 0 && !a.post_fused && g >= 0 && g < a.d / 4) load_streams<NX>(cur, x_row, a.n, a.d, g);
   pdl_wait();
   if (n_splits > 0) {
     // value i = warp + q * kWarps of the M + 1, summed over the splits s = lane, lane + 32, ... in that order, then
@@ -479,7 +535,7 @@ __global__ void __launch_bounds__(kThreads, MINB) hc_mix_finish_kernel(HcMixArgs
     block_mix_sums<CAP>(acc, s_red, s_mix, m_rows);
   }
   __syncthreads();  // the partials in the output row are all read: the row may be overwritten after the next barrier
-  if (n_splits == 0 && g >= 0 && g < a.d / 4) load_streams<NX>(cur, x_row, a.n, a.d, g);
+  if ((n_splits == 0 || a.post_fused) && g >= 0 && g < a.d / 4) load_streams<NX>(cur, x_row, a.n, a.d, g);
   pdl_launch_dependents();
   mix_finish<NX, T>(a, t, s_mix, s_pre, s_c, s_sq, m_rows, sinkhorn, cur);
 }
@@ -505,62 +561,86 @@ __global__ void __launch_bounds__(kPostThreads) hc_post_kernel(HcPostArgs a) {
   const float* post = a.post + t * n;
 #pragma unroll
   for (int k = 0; k < kMaxN; ++k) {
-    if (k < n) {
-      float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-      for (int j = 0; j < kMaxN; ++j) {
-        if (j < n) {
-          const float c = __ldg(comb + j * n + k);
-          s.x += c * xv[j].x;
-          s.y += c * xv[j].y;
-          s.z += c * xv[j].z;
-          s.w += c * xv[j].w;
-        }
-      }
-      const float p = __ldg(post + k);
-      store4(out + static_cast<int64_t>(k) * d,
-             make_float4(p * yv.x + s.x, p * yv.y + s.y, p * yv.z + s.z, p * yv.w + s.w));
-    }
+    if (k < n) store4(out + static_cast<int64_t>(k) * d, post_mix<kMaxN>(xv, yv, comb, post, n, k));
   }
 }
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Programmatic dependent launch for every mHC grid (a grid may be scheduled while the one before it runs, and waits
-// for it with pdl_wait); DSV4RT_MHC_PDL=0 turns it off (plain launches).
-bool use_pdl() {
-  const char* env = std::getenv("DSV4RT_MHC_PDL");
-  return !(env != nullptr && env[0] == '0' && env[1] == '\0');
+// Whether environment variable `name` is "0" (a switch turned off).
+bool env_is_zero(const char* name) {
+  const char* env = std::getenv(name);
+  return env != nullptr && env[0] == '0' && env[1] == '\0';
 }
 
+// Programmatic dependent launch for every mHC grid (a grid may be scheduled while the one before it runs, and waits
+// for it with pdl_wait); DSV4RT_MHC_PDL=0 turns it off (plain launches).
+bool use_pdl() { return !env_is_zero("DSV4RT_MHC_PDL"); }
+
+template <typename T>
+cudaError_t launch_post(const HcPostArgs& a, cudaStream_t stream) {
+  const int64_t blocks = cdiv(a.n_tokens * (a.d / 4), kPostThreads);
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  return launch_ex(hc_post_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(kPostThreads), 0, stream, 1,
+                   use_pdl(), a);
+}
+
+// post (hc_post_pre): a.post_* hold hc_post's inputs and a.x its output. Where the mix is split over CTAs and n <= 4
+// (CAP 24) the partial grid makes x as it goes (POST); otherwise hc_post's grid runs first.
 template <int CAP, int NX, typename T>
-cudaError_t launch_mix(const HcMixArgs& a, int m_rows, cudaStream_t stream) {
+cudaError_t launch_mix(HcMixArgs a, int m_rows, cudaStream_t stream, bool post) {
   const bool pdl = use_pdl();
   const int64_t k_dim = static_cast<int64_t>(a.n) * a.d;
   // splits whose partials (M + 1 floats each) fit in the token's output row
   const int64_t max_fit = static_cast<int64_t>(a.d) * static_cast<int64_t>(sizeof(T)) / 4 / (m_rows + 1);
-  int n_splits = 0;
-  const char* env = std::getenv("DSV4RT_MHC_SPLIT");  // "0": the finish kernel computes the mix (tests)
-  const bool fused = k_dim <= kFusedMaxK || max_fit < 2 || (env != nullptr && env[0] == '0' && env[1] == '\0');
-  if (!fused) {
-    const int tokens_per_warp = a.n_tokens <= 64 ? 1 : a.n_tokens <= 256 ? 2 : 4;
-    const int64_t tiles = cdiv(a.n_tokens, static_cast<int64_t>(kWarps) * tokens_per_warp);
+  int64_t splits = 0, tiles = 0, kc = 0;
+  int tokens_per_warp = 1;
+  // DSV4RT_MHC_SPLIT=0: the finish kernel computes the mix (tests)
+  if (!(k_dim <= kFusedMaxK || max_fit < 2 || env_is_zero("DSV4RT_MHC_SPLIT"))) {
+    tokens_per_warp = a.n_tokens <= 64 ? 1 : a.n_tokens <= 256 ? 2 : 4;
+    tiles = cdiv(a.n_tokens, static_cast<int64_t>(kWarps) * tokens_per_warp);
     int64_t want = cdiv(2 * static_cast<int64_t>(num_sms()), tiles);
     want = want < max_fit ? want : max_fit;
-    const int64_t kc = cdiv(cdiv(k_dim, want), kSplitAlign) * kSplitAlign;
-    const int64_t splits = cdiv(k_dim, kc);
-    if (splits >= 2) {
-      if (tiles > 65535) return cudaErrorInvalidConfiguration;
-      n_splits = static_cast<int>(splits);
-      const dim3 grid(n_splits, static_cast<unsigned>(tiles));
-      const cudaError_t err =
-          n_splits * tiles <= num_sms()
-              ? launch_ex(hc_mix_partial_kernel<CAP, T, 1>, grid, dim3(kThreads), 0, stream, 1, pdl, a, m_rows, kc,
-                          tokens_per_warp)
-              : launch_ex(hc_mix_partial_kernel<CAP, T, 2>, grid, dim3(kThreads), 0, stream, 1, pdl, a, m_rows, kc,
-                          tokens_per_warp);
-      if (err != cudaSuccess) return err;
+    kc = cdiv(cdiv(k_dim, want), kSplitAlign) * kSplitAlign;
+    splits = cdiv(k_dim, kc);
+    if (splits >= 2 && tiles > 65535) return cudaErrorInvalidConfiguration;
+  }
+  const bool fit = splits * tiles <= num_sms();
+  bool fuse = false;
+  if constexpr (CAP == 24 && NX == 4) fuse = post && splits >= 2 && !env_is_zero("DSV4RT_MHC_POST_FUSE");
+  if (post && !fuse) {
+    HcPostArgs pa{};
+    pa.x = a.post_x;
+    pa.y = a.post_y;
+    pa.post = a.post_post;
+    pa.comb = a.post_comb;
+    pa.out = const_cast<void*>(a.x);
+    pa.n_tokens = a.n_tokens;
+    pa.n = a.n;
+    pa.d = a.d;
+    pa.dtype = a.dtype;
+    const cudaError_t err = launch_post<T>(pa, stream);
+    if (err != cudaSuccess) return err;
+  }
+  a.post_fused = fuse;
+  int n_splits = 0;
+  if (splits >= 2) {
+    n_splits = static_cast<int>(splits);
+    const dim3 grid(n_splits, static_cast<unsigned>(tiles));
+    auto go = [&](auto kernel) {
+      return launch_ex(kernel, grid, dim3(kThreads), 0, stream, 1, pdl, a, m_rows, kc, tokens_per_warp);
+    };
+    cudaError_t err;
+    if constexpr (CAP == 24 && NX == 4) {
+      if (fuse) {
+        err = fit ? go(hc_mix_partial_kernel<CAP, T, 1, true>) : go(hc_mix_partial_kernel<CAP, T, 2, true>);
+      } else {
+        err = fit ? go(hc_mix_partial_kernel<CAP, T, 1>) : go(hc_mix_partial_kernel<CAP, T, 2>);
+      }
+    } else {
+      err = fit ? go(hc_mix_partial_kernel<CAP, T, 1>) : go(hc_mix_partial_kernel<CAP, T, 2>);
     }
+    if (err != cudaSuccess) return err;
   }
   if (a.n_tokens > 0x7fffffff) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(a.n_tokens));
@@ -572,42 +652,48 @@ cudaError_t launch_mix(const HcMixArgs& a, int m_rows, cudaStream_t stream) {
 }
 
 template <typename T>
-cudaError_t dispatch_mix(const HcMixArgs& a, cudaStream_t stream) {
+cudaError_t dispatch_mix(const HcMixArgs& a, cudaStream_t stream, bool post) {
   const int m_rows = a.head ? a.n : (2 + a.n) * a.n;
   // (2+n)n <= 24 only for n <= 4; hc_head's n rows reach 8
   if (m_rows <= 8) {
-    return a.n <= 4 ? launch_mix<8, 4, T>(a, m_rows, stream) : launch_mix<8, kMaxN, T>(a, m_rows, stream);
+    return a.n <= 4 ? launch_mix<8, 4, T>(a, m_rows, stream, post) : launch_mix<8, kMaxN, T>(a, m_rows, stream, post);
   }
-  if (m_rows <= 24) return launch_mix<24, 4, T>(a, m_rows, stream);
-  if (m_rows <= 48) return launch_mix<48, kMaxN, T>(a, m_rows, stream);
-  if (m_rows <= 80) return launch_mix<80, kMaxN, T>(a, m_rows, stream);
+  if (m_rows <= 24) return launch_mix<24, 4, T>(a, m_rows, stream, post);
+  if (m_rows <= 48) return launch_mix<48, kMaxN, T>(a, m_rows, stream, post);
+  if (m_rows <= 80) return launch_mix<80, kMaxN, T>(a, m_rows, stream, post);
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t mix_entry(const HcMixArgs& args, cudaStream_t stream, bool post) {
+  if (args.n_tokens == 0) return cudaSuccess;
+  if (args.n < 1 || args.n > kMaxN || args.d % 4 != 0) return cudaErrorInvalidValue;
+  if (post && (args.head || args.post_x == nullptr || args.post_y == nullptr || args.post_post == nullptr ||
+               args.post_comb == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  HcMixArgs a = args;
+  const char* env = std::getenv("DSV4RT_MHC_SINKHORN");  // "smem": the shared-memory form at every n (tests)
+  a.sinkhorn_smem = env != nullptr && env[0] == 's';
+  a.post_fused = false;
+  switch (a.dtype) {
+    case 0: return dispatch_mix<float>(a, stream, post);
+    case 1: return dispatch_mix<__nv_bfloat16>(a, stream, post);
+  }
   return cudaErrorInvalidValue;
 }
 
 }  // namespace
 
-cudaError_t hc_mix_launch(const HcMixArgs& args, cudaStream_t stream) {
-  if (args.n_tokens == 0) return cudaSuccess;
-  if (args.n < 1 || args.n > kMaxN || args.d % 4 != 0) return cudaErrorInvalidValue;
-  HcMixArgs a = args;
-  const char* env = std::getenv("DSV4RT_MHC_SINKHORN");  // "smem": the shared-memory form at every n (tests)
-  a.sinkhorn_smem = env != nullptr && env[0] == 's';
-  switch (a.dtype) {
-    case 0: return dispatch_mix<float>(a, stream);
-    case 1: return dispatch_mix<__nv_bfloat16>(a, stream);
-  }
-  return cudaErrorInvalidValue;
-}
+cudaError_t hc_mix_launch(const HcMixArgs& args, cudaStream_t stream) { return mix_entry(args, stream, false); }
+
+cudaError_t hc_post_pre_launch(const HcMixArgs& args, cudaStream_t stream) { return mix_entry(args, stream, true); }
 
 cudaError_t hc_post_launch(const HcPostArgs& a, cudaStream_t stream) {
   if (a.n_tokens == 0) return cudaSuccess;
   if (a.n < 1 || a.n > kMaxN || a.d % 4 != 0) return cudaErrorInvalidValue;
-  const int64_t blocks = cdiv(a.n_tokens * (a.d / 4), kPostThreads);
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  const dim3 grid(static_cast<unsigned>(blocks)), block(kPostThreads);
   switch (a.dtype) {
-    case 0: return launch_ex(hc_post_kernel<float>, grid, block, 0, stream, 1, use_pdl(), a);
-    case 1: return launch_ex(hc_post_kernel<__nv_bfloat16>, grid, block, 0, stream, 1, use_pdl(), a);
+    case 0: return launch_post<float>(a, stream);
+    case 1: return launch_post<__nv_bfloat16>(a, stream);
   }
   return cudaErrorInvalidValue;
 }

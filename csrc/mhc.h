@@ -27,6 +27,12 @@ struct HcMixArgs {
   float norm_eps;
   const float* norm_w = nullptr;  // [D] fp32, or null: out = rms_norm(collapsed, norm_w, out_eps)
   float out_eps = 0.0f;
+  // hc_post_pre (hc_post_pre_launch): x is then the hc_post output these make, [T, n, D], written by the launch
+  const void* post_x = nullptr;      // [T, n, D] the streams before
+  const void* post_y = nullptr;      // [T, D] the sublayer's output
+  const float* post_post = nullptr;  // [T, n]
+  const float* post_comb = nullptr;  // [T, n, n]
+  bool post_fused = false;           // set by the launcher: the partial grid writes x (the finish grid reads it late)
 };
 
 // hc_post: out[t, k] = post[t, k] * y[t] + sum_j comb[t, j, k] * x[t, j].
@@ -43,6 +49,9 @@ struct HcPostArgs {
 };
 
 cudaError_t hc_mix_launch(const HcMixArgs& args, cudaStream_t stream);
+// hc_post (post_x, post_y, post_post, post_comb -> x), then hc_mix on x: at decode the post runs inside the mix's
+// partial grid (DSV4RT_MHC_POST_FUSE=0: hc_post's own grid first, always).
+cudaError_t hc_post_pre_launch(const HcMixArgs& args, cudaStream_t stream);
 cudaError_t hc_post_launch(const HcPostArgs& args, cudaStream_t stream);
 
 }  // namespace dsv4rt

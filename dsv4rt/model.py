@@ -6,7 +6,7 @@ It allocates only its own temporaries and never branches on tensor values.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -256,20 +256,34 @@ class Block(nn.Module):
         self.attn_hc = HyperConnection(cfg)
         self.ffn_hc = HyperConnection(cfg)
 
-    def forward(self, streams: Tensor, st: StepTensors, lc: LayerCache, inv_freq: Tensor,
-                rot: tuple[Tensor, Tensor]) -> Tensor:
+    # The hyper-connection boundaries: each hc_pre returns its collapsed row already through the sublayer's RMSNorm
+    # (one launch, not two), and the hc_post that ends a sublayer runs with the next sublayer's hc_pre as one op
+    # (hc_post_pre), across blocks too: Model.forward hands each block its attention input and the next block.
+    def pre(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The attention sublayer's hc_pre of `streams` (the first block's; later blocks get theirs from post_pre)."""
+        cfg, hc = self.cfg, self.attn_hc
+        return mhc.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_iters, cfg.hc_eps, cfg.norm_eps,
+                          self.input_layernorm.weight, cfg.norm_eps)
+
+    def post_pre(self, streams: Tensor, y: Tensor, post: Tensor, comb: Tensor,
+                 attn: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """hc_post of the sublayer before (output y), then this block's attention (attn) or MoE sublayer's hc_pre."""
         cfg = self.cfg
-        hc = self.attn_hc
-        # each hc_pre returns its collapsed row already through the sublayer's RMSNorm (one launch, not two)
-        x, post, comb = mhc.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_iters, cfg.hc_eps, cfg.norm_eps,
-                                   self.input_layernorm.weight, cfg.norm_eps)
+        hc, norm = (self.attn_hc, self.input_layernorm) if attn else (self.ffn_hc, self.post_attention_layernorm)
+        return mhc.hc_post_pre(streams, y, post, comb, hc.fn, hc.base, hc.scale, cfg.hc_iters, cfg.hc_eps,
+                               cfg.norm_eps, norm.weight, cfg.norm_eps)
+
+    def forward(self, streams: Tensor, x: Tensor, post: Tensor, comb: Tensor, st: StepTensors, lc: LayerCache,
+                inv_freq: Tensor, rot: tuple[Tensor, Tensor],
+                nxt: Optional["Block"]) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """(x, post, comb) = this block's attention hc_pre of `streams`. Returns the next block's (streams, x, post,
+        comb); the last block (nxt None) returns (streams after its final hc_post, None, None, None)."""
         y = self.self_attn(x, st, lc, inv_freq, rot)
-        streams = mhc.hc_post(streams, y, post, comb)
-        hc = self.ffn_hc
-        x, post, comb = mhc.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_iters, cfg.hc_eps, cfg.norm_eps,
-                                   self.post_attention_layernorm.weight, cfg.norm_eps)
+        streams, x, post, comb = self.post_pre(streams, y, post, comb, attn=False)
         y = self.mlp(x, st.token_ids)
-        return mhc.hc_post(streams, y, post, comb)
+        if nxt is None:
+            return mhc.hc_post(streams, y, post, comb), None, None, None
+        return nxt.post_pre(streams, y, post, comb, attn=True)
 
 
 class Embedding(nn.Module):
@@ -303,12 +317,15 @@ class Model(nn.Module):
         x = F.embedding(st.token_ids, self.embed_tokens.weight)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         tables: dict[bool, tuple[Tensor, Tensor]] = {}  # the step's RoPE tables (main, compress): one each
-        for layer, lc in zip(self.layers, cache.layers):
+        layers = list(self.layers)
+        x, post, comb = layers[0].pre(streams)
+        for i, (layer, lc) in enumerate(zip(layers, cache.layers)):
             sliding = layer.layer_type == SLIDING
             inv_freq = self.inv_freq_main if sliding else self.inv_freq_compress
             if sliding not in tables:
                 tables[sliding] = rope_table(st.positions, inv_freq)
-            streams = layer(streams, st, lc, inv_freq, tables[sliding])
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            streams, x, post, comb = layer(streams, x, post, comb, st, lc, inv_freq, tables[sliding], nxt)
         h = self.hc_head
         x = mhc.hc_head(streams, h.hc_fn, h.hc_base, h.hc_scale, cfg.hc_eps, cfg.norm_eps, self.norm.weight,
                         cfg.norm_eps)

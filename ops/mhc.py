@@ -1,7 +1,9 @@
 """Manifold-constrained hyper-connection family: hc_pre (mix, Sinkhorn, collapse), hc_post, hyper head. All fp32.
 
 hc_pre and hc_head take an optional `norm_weight`: the collapsed row then goes through rms_norm(., norm_weight,
-out_eps) in the same launch (the block's input / post-attention norm, the model's final norm)."""
+out_eps) in the same launch (the block's input / post-attention norm, the model's final norm). hc_post_pre is an
+hc_post followed by the next hc_pre on its output (the boundary between two sublayers): on CUDA at decode the post
+runs inside the pre's partial grid, one grid fewer."""
 from __future__ import annotations
 
 from typing import Optional
@@ -17,6 +19,11 @@ torch.library.define(
     "float out_eps=0.0) -> (Tensor, Tensor, Tensor)",
 )
 torch.library.define("dsv4rt::hc_post", "(Tensor x, Tensor y, Tensor post, Tensor comb) -> Tensor")
+torch.library.define(
+    "dsv4rt::hc_post_pre",
+    "(Tensor x, Tensor y, Tensor post, Tensor comb, Tensor fn, Tensor base, Tensor scale, int iters, float eps, "
+    "float norm_eps, Tensor? norm_weight=None, float out_eps=0.0) -> (Tensor, Tensor, Tensor, Tensor)",
+)
 torch.library.define(
     "dsv4rt::hc_head",
     "(Tensor x, Tensor fn, Tensor base, Tensor scale, float eps, float norm_eps, Tensor? norm_weight=None, "
@@ -38,6 +45,12 @@ def _hc_pre_fake(x, fn, base, scale, iters, eps, norm_eps, norm_weight=None, out
 def _hc_post_fake(x, y, post, comb):
     torch._check(x.dim() == 3 and y.shape == (x.shape[0], x.shape[2]))
     return torch.empty_like(x)
+
+
+@torch.library.register_fake("dsv4rt::hc_post_pre")
+def _hc_post_pre_fake(x, y, post, comb, fn, base, scale, iters, eps, norm_eps, norm_weight=None, out_eps=0.0):
+    streams = _hc_post_fake(x, y, post, comb)
+    return (streams, *_hc_pre_fake(streams, fn, base, scale, iters, eps, norm_eps, norm_weight, out_eps))
 
 
 @torch.library.register_fake("dsv4rt::hc_head")
@@ -89,6 +102,13 @@ def hc_post_ref(x: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     return out.to(x.dtype)
 
 
+def hc_post_pre_ref(x: Tensor, y: Tensor, post: Tensor, comb: Tensor, fn: Tensor, base: Tensor, scale: Tensor,
+                    iters: int, eps: float, norm_eps: float, norm_weight: Optional[Tensor] = None,
+                    out_eps: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    streams = hc_post_ref(x, y, post, comb)
+    return (streams, *hc_pre_ref(streams, fn, base, scale, iters, eps, norm_eps, norm_weight, out_eps))
+
+
 def hc_head_ref(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, eps: float, norm_eps: float,
                 norm_weight: Optional[Tensor] = None, out_eps: float = 0.0) -> Tensor:
     mix = _mix(x, fn, norm_eps)
@@ -99,6 +119,7 @@ def hc_head_ref(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, eps: float, 
 torch.library.impl("dsv4rt::hc_pre", "CompositeExplicitAutograd", hc_pre_ref)
 torch.library.impl("dsv4rt::hc_post", "CompositeExplicitAutograd", hc_post_ref)
 torch.library.impl("dsv4rt::hc_head", "CompositeExplicitAutograd", hc_head_ref)
+torch.library.impl("dsv4rt::hc_post_pre", "CompositeExplicitAutograd", hc_post_pre_ref)
 
 
 def hc_pre(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, eps: float, norm_eps: float,
@@ -111,6 +132,15 @@ def hc_pre(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, eps: 
 def hc_post(x: Tensor, y: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     """Shapes: x [T, n, D]; y [T, D]; post [T, n]; comb [T, n, n] -> [T, n, D] (fp32 math, one cast)."""
     return torch.ops.dsv4rt.hc_post.default(x, y, post, comb)
+
+
+def hc_post_pre(x: Tensor, y: Tensor, post: Tensor, comb: Tensor, fn: Tensor, base: Tensor, scale: Tensor,
+                iters: int, eps: float, norm_eps: float, norm_weight: Optional[Tensor] = None,
+                out_eps: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """hc_post(x, y, post, comb) -> streams [T, n, D], then hc_pre(streams, fn, ...): returns (streams, x [T, D],
+    post [T, n], comb [T, n, n])."""
+    return torch.ops.dsv4rt.hc_post_pre.default(x, y, post, comb, fn, base, scale, iters, eps, norm_eps, norm_weight,
+                                                out_eps)
 
 
 def hc_head(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, eps: float, norm_eps: float,

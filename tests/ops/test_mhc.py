@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from dsv4rt.ops.mhc import hc_head, hc_head_ref, hc_post, hc_post_ref, hc_pre, hc_pre_ref
+from dsv4rt.ops.mhc import (hc_head, hc_head_ref, hc_post, hc_post_pre, hc_post_pre_ref, hc_post_ref, hc_pre,
+                            hc_pre_ref)
 from factories import (assert_trace_matches_reference, hc_head_inputs, hc_post_inputs, hc_pre_inputs, ref_result,
                        to_device)
 
@@ -25,12 +26,19 @@ def _with_norm(factory):
     return make
 
 
+def hc_post_pre_inputs(device, dtype=torch.bfloat16, n_tokens=5, seed=0):
+    """hc_post's inputs, then hc_pre's parameters (fn, base, scale, iters, eps, norm_eps)."""
+    return hc_post_inputs(device, dtype, n_tokens, seed) + hc_pre_inputs(device, dtype, n_tokens, seed + 7)[1:]
+
+
 OPS = {  # name -> (factory, reference, wrapper)
     "hc_pre": (hc_pre_inputs, hc_pre_ref, hc_pre),
     "hc_post": (hc_post_inputs, hc_post_ref, hc_post),
     "hc_head": (hc_head_inputs, hc_head_ref, hc_head),
     "hc_pre_norm": (_with_norm(hc_pre_inputs), hc_pre_ref, hc_pre),
     "hc_head_norm": (_with_norm(hc_head_inputs), hc_head_ref, hc_head),
+    "hc_post_pre": (hc_post_pre_inputs, hc_post_pre_ref, hc_post_pre),
+    "hc_post_pre_norm": (_with_norm(hc_post_pre_inputs), hc_post_pre_ref, hc_post_pre),
 }
 
 
@@ -203,3 +211,14 @@ def test_norm_weight_errors(name, device):
         wrapper(*args, w[:-4], out_eps)
     with pytest.raises(RuntimeError, match=f"{op}: norm_weight must"):
         wrapper(*args, w.double(), out_eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hc_post_pre_is_post_then_pre(dtype):
+    """hc_post_pre = hc_post, then hc_pre on its output: the formula loops composed (streams, x, post, comb)."""
+    args = hc_post_pre_inputs("cpu", dtype)
+    streams, x, post, comb = hc_post_pre(*args)
+    want_streams = hc_post_loop(*args[:4])
+    torch.testing.assert_close(streams.float(), want_streams.float(), **_tol(dtype))
+    for got, want in zip((x, post, comb), hc_pre_loop(streams, *args[4:])):
+        torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4rt.ops.mhc import hc_head, hc_head_ref, hc_post, hc_post_ref, hc_pre, hc_pre_ref
+from dsv4rt.ops.mhc import (hc_head, hc_head_ref, hc_post, hc_post_pre, hc_post_pre_ref, hc_post_ref, hc_pre,
+                            hc_pre_ref)
 
 pytestmark = pytest.mark.cuda
 
@@ -252,6 +253,37 @@ def test_norm_weight_matches_reference(monkeypatch, op, n_tok, d, dtype, split):
     assert ((g - wf).abs() <= bound).all(), f"{((g - wf).abs() > bound).sum().item()} values off by > 2 bf16 ulps"
 
 
+@pytest.mark.parametrize("fuse", ["", "0"])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("n_tok", TOKENS)
+def test_hc_post_pre_equals_post_then_pre(monkeypatch, n_tok, d, dtype, norm, fuse):
+    """hc_post_pre equals hc_post then hc_pre (CUDA) bit for bit, all four outputs: where the mix is split (Flash
+    dims) the partial grid makes the streams itself (post_mix, hc_post's own arithmetic) and sums their stored
+    values in the same order; DSV4RT_MHC_POST_FUSE=0 runs hc_post's grid first. Outputs poisoned; and close to the
+    reference."""
+    monkeypatch.setenv("DSV4RT_MHC_POST_FUSE", fuse)
+    x, y, post, comb = _post_inputs(n_tok, 4, d, dtype)
+    fn, base, scale = _pre_inputs(n_tok, 4, d, dtype, seed=3)[1:]
+    extra = (20, EPS, NORM_EPS) + ((0.5 + torch.rand(d, generator=torch.Generator().manual_seed(2)), 1e-5)
+                                   if norm else ())
+    args = (x, y, post, comb, fn, base, scale) + extra
+    dev = _cuda(args)
+    got = _poisoned(lambda: hc_post_pre(*dev), [((n_tok, 4, d), dtype), ((n_tok, d), dtype),
+                                                ((n_tok, 4), torch.float32), ((n_tok, 4, 4), torch.float32)])
+    streams = hc_post(*dev[:4])
+    want = (streams, *hc_pre(streams, *dev[4:]))
+    for name, g, w in zip(("streams", "x", "post", "comb"), got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert torch.equal(g, w), f"{name}: {(g != w).sum().item()} values differ from hc_post then hc_pre"
+    ref = hc_post_pre_ref(*args)
+    _assert_close_dtype(got[0], ref[0], "hc_post_pre streams")
+    if not norm:
+        for name, g, w in zip(("x", "post", "comb"), got[1:], ref[1:]):
+            _assert_close_dtype(g, w, f"hc_post_pre {name}")
+
+
 def test_errors():
     x, fn, base, scale = _cuda(_pre_inputs(3, 4, 128, torch.float32))
     with pytest.raises(RuntimeError, match="hc_pre: fn must"):
@@ -267,6 +299,12 @@ def test_errors():
     with pytest.raises(RuntimeError, match="hc_pre: norm_weight must be 16-byte aligned"):
         torch.ops.dsv4rt.hc_pre.default(x, fn, base, scale, 20, EPS, NORM_EPS, torch.ones(129, device="cuda")[1:],
                                         EPS)
+    y = torch.randn(3, 128, device="cuda")
+    post, comb = torch.rand(3, 4, device="cuda"), torch.rand(3, 4, 4, device="cuda")
+    with pytest.raises(RuntimeError, match="hc_post_pre: y must be a contiguous"):
+        torch.ops.dsv4rt.hc_post_pre.default(x, y.bfloat16(), post, comb, fn, base, scale, 20, EPS, NORM_EPS)
+    with pytest.raises(RuntimeError, match="hc_post_pre: fn must"):
+        torch.ops.dsv4rt.hc_post_pre.default(x, y, post, comb, fn[:-1], base, scale, 20, EPS, NORM_EPS)
     x6 = torch.randn(2, 4, 6, device="cuda")
     with pytest.raises(RuntimeError, match="hc_post: D = x.size\\(2\\) must be a positive multiple of 4"):
         torch.ops.dsv4rt.hc_post.default(x6, torch.randn(2, 6, device="cuda"), torch.rand(2, 4, device="cuda"),
