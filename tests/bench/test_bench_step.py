@@ -39,7 +39,7 @@ def test_bench_step_api(benchmark, runtime, batch):
         feed = {h: [1] for h in handles}
         out = runtime.step(feed)
         assert sorted(out) == sorted(handles)
-        assert all(v.shape == (runtime.model.cfg.vocab_size,) and v.device.type == "cpu" for v in out.values())
+        assert all(v.shape == (1, runtime.model.cfg.vocab_size) and v.device.type == "cpu" for v in out.values())
         benchmark.extra_info.update(device=torch.cuda.get_device_name(), batch=batch, context=4096)
         benchmark.pedantic(lambda: runtime.step(feed), rounds=50, warmup_rounds=4)
     finally:

@@ -230,9 +230,10 @@ def test_graph_replay(n_tok, capture_graph):
 @pytest.mark.parametrize("op", ["hc_pre", "hc_head"])
 def test_norm_weight_matches_reference(monkeypatch, op, n_tok, d, dtype, split):
     """With norm_weight the finish kernel RMS-normalises the collapsed row (warps meeting at a named barrier): within
-    two bf16 ulps of the reference (its collapsed row may round one ulp apart, then the norm's own rounding), fp32
-    within REL; post and comb equal the call without the norm bit for bit. Both kernel paths (the mix split over
-    CTAs or not)."""
+    three bf16 ulps of the reference value, fp32 within REL; post and comb equal the call without the norm bit for
+    bit. Both kernel paths (the mix split over CTAs or not). The bound: a collapsed value may round one of its ulps
+    apart (up to 2^-7 of it, its sum's order differs), which the norm's scaling carries into at most two ulps of the
+    output (an output ulp is at least 2^-8 of it), and each side rounds the output once."""
     monkeypatch.setenv("DSV4RT_MHC_SPLIT", split)
     make, ref, fn = (_pre_inputs, hc_pre_ref, hc_pre) if op == "hc_pre" else (_head_inputs, hc_head_ref, hc_head)
     args = make(n_tok, 4, d, dtype)
@@ -249,8 +250,8 @@ def test_norm_weight_matches_reference(monkeypatch, op, n_tok, d, dtype, split):
         return _assert_close(got, want, f"{op} with norm_weight")
     g, wf = got.cpu().float(), want.float()
     assert torch.isfinite(g).all(), "non-finite values (unwritten output?)"
-    bound = 2 * torch.exp2(torch.floor(torch.log2(wf.abs().clamp_min(1e-30))) - 7)
-    assert ((g - wf).abs() <= bound).all(), f"{((g - wf).abs() > bound).sum().item()} values off by > 2 bf16 ulps"
+    bound = 3 * torch.exp2(torch.floor(torch.log2(wf.abs().clamp_min(1e-30))) - 7)
+    assert ((g - wf).abs() <= bound).all(), f"{((g - wf).abs() > bound).sum().item()} values off by > 3 bf16 ulps"
 
 
 @pytest.mark.parametrize("fuse", ["", "0"])
@@ -261,8 +262,9 @@ def test_norm_weight_matches_reference(monkeypatch, op, n_tok, d, dtype, split):
 def test_hc_post_pre_equals_post_then_pre(monkeypatch, n_tok, d, dtype, norm, fuse):
     """hc_post_pre equals hc_post then hc_pre (CUDA) bit for bit, all four outputs: where the mix is split (Flash
     dims) the partial grid makes the streams itself (post_mix, hc_post's own arithmetic) and sums their stored
-    values in the same order; DSV4RT_MHC_POST_FUSE=0 runs hc_post's grid first. Outputs poisoned; and close to the
-    reference."""
+    values in the same order; DSV4RT_MHC_POST_FUSE=0 runs hc_post's grid first. Outputs poisoned. And close to the
+    references: the streams to hc_post_ref's, the rest to hc_pre_ref's over these streams (bf16 streams may round
+    an ulp apart from the reference's, which moves a mix over 16K channels by more than REL)."""
     monkeypatch.setenv("DSV4RT_MHC_POST_FUSE", fuse)
     x, y, post, comb = _post_inputs(n_tok, 4, d, dtype)
     fn, base, scale = _pre_inputs(n_tok, 4, d, dtype, seed=3)[1:]
@@ -277,10 +279,10 @@ def test_hc_post_pre_equals_post_then_pre(monkeypatch, n_tok, d, dtype, norm, fu
     for name, g, w in zip(("streams", "x", "post", "comb"), got, want):
         assert g.dtype == w.dtype and g.shape == w.shape, name
         assert torch.equal(g, w), f"{name}: {(g != w).sum().item()} values differ from hc_post then hc_pre"
-    ref = hc_post_pre_ref(*args)
-    _assert_close_dtype(got[0], ref[0], "hc_post_pre streams")
+    _assert_close_dtype(got[0], hc_post_ref(*args[:4]), "hc_post_pre streams")
     if not norm:
-        for name, g, w in zip(("x", "post", "comb"), got[1:], ref[1:]):
+        ref = hc_pre_ref(got[0].cpu(), *args[4:])
+        for name, g, w in zip(("x", "post", "comb"), got[1:], ref):
             _assert_close_dtype(g, w, f"hc_post_pre {name}")
 
 
