@@ -97,3 +97,37 @@ def test_bench_mhc_kernels(benchmark, monkeypatch, iters):
     benchmark.extra_info.update(device=torch.cuda.get_device_name(), iters=iters,
                                 us={k: sum(v) / len(v) for k, v in times.items()})
     benchmark.pedantic(lambda: (hc_pre(*pre), torch.cuda.synchronize()), rounds=5, warmup_rounds=1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_tok", [1, 8, 64])
+def test_bench_mhc_boundary(benchmark, monkeypatch, n_tok):
+    """A sublayer boundary of the decode step, graph-replayed: hc_post, hc_pre and rms_norm as three native calls
+    (the step before hc_post_pre and the norm weight), against hc_post_pre with the norm weight, fused (the post
+    inside the pre's partial grid) and with DSV4RT_MHC_POST_FUSE=0 (hc_post's grid first)."""
+    import dsv4rt.ops
+    from dsv4rt.ops.mhc import hc_post_pre
+    from dsv4rt.ops.norm import rms_norm
+    x, y, post, comb = _args("hc_post", n_tok)
+    _, fn, base, scale, iters, eps, norm_eps = _args("hc_pre", n_tok)
+    w = torch.rand(D, device="cuda") + 0.5
+
+    def three(i):
+        streams = hc_post(x, y, post, comb)
+        xo, po, co = hc_pre(streams, fn, base, scale, iters, eps, norm_eps)
+        return rms_norm(xo, w, norm_eps)
+
+    calls = {"hc_post + hc_pre + rms_norm": three,
+             "hc_post_pre (norm weight)": lambda i: hc_post_pre(x, y, post, comb, fn, base, scale, iters, eps,
+                                                                norm_eps, w, norm_eps)}
+    us = {name: median_seconds(capture(c, REPEATS).replay, ROUNDS) / REPEATS * 1e6 for name, c in calls.items()}
+    monkeypatch.setenv("DSV4RT_MHC_POST_FUSE", "0")  # read at launch, so at capture: a graph of the unfused form
+    us["hc_post_pre, POST_FUSE=0"] = median_seconds(capture(calls["hc_post_pre (norm weight)"], REPEATS).replay,
+                                                    ROUNDS) / REPEATS * 1e6
+    benchmark.extra_info.update(device=torch.cuda.get_device_name(), tokens=n_tok,
+                                coverage=dsv4rt.ops.kernel_coverage()["hc_post_pre"],
+                                **{f"us {k}": v for k, v in us.items()})
+    print(f"\nmHC boundary T={n_tok}: " + ", ".join(f"{k} {v:.2f} us" for k, v in us.items())
+          + f" on {torch.cuda.get_device_name()}")
+    graph = capture(calls["hc_post_pre (norm weight)"], REPEATS)
+    benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=ROUNDS, warmup_rounds=2)
