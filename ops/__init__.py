@@ -22,7 +22,8 @@ from . import attention, compressor, indexer, kv_quant, mhc, moe, norm, rope, sw
 STEP_OPS = (
     "swa_cache_write", "compressor_update", "compressor_update_pair", "indexer_topk", "sparse_attn",
     "moe_gate", "linear_fp32", "linear", "moe_route", "moe_hash_route", "moe_experts", "hc_pre", "hc_post",
-    "hc_post_pre", "hc_head", "rms_norm", "rope_rotate", "head_norm_rope", "kv_norm_rope_quant", "idx_fp4_hadamard_fake_quant",
+    "hc_post_pre", "hc_head", "rms_norm", "rope_rotate", "head_norm_rope", "kv_norm_rope_quant",
+    "idx_fp4_hadamard_fake_quant",
 )
 # ... and every op of the namespace: the standalone FP8/FP4 row codecs serve tests and tools (the cache-write
 # kernels quantise inside their own launch).
