@@ -96,18 +96,20 @@ class Row:
     hf_ms: Optional[float]
     host_ms: float
     api_ms: Optional[float] = None
+    greedy_ms: Optional[float] = None
 
     def markdown(self) -> str:
         hf = f"{self.hf_ms:.2f}" if self.hf_ms else "-"
         speed = f"{self.hf_ms / self.ms_step:.1f}x" if self.hf_ms else "-"
         api = f"{self.api_ms:.3f}" if self.api_ms else "-"
+        greedy = f"{self.greedy_ms:.3f}" if self.greedy_ms else "-"
         return (f"| {self.model} | {self.batch} | {self.context} | {self.ms_step:.3f} | {self.ms_layer:.3f} | "
                 f"{self.floor_ms:.3f} | {self.floor_ms / self.ms_step:.2f} | {hf} | {speed} | {self.host_ms:.3f} | "
-                f"{api} |")
+                f"{api} | {greedy} |")
 
 
 HEADER = ("| model | batch | context | ms/step | ms/layer | HBM floor ms | floor/measured | HF eager ms | "
-          "speedup | host ms/step | step() ms |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "speedup | host ms/step | step() ms | greedy step ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def time_decode(rt: Runtime, handles: list[int], iters: int = 20) -> tuple[float, float, int]:
@@ -133,14 +135,22 @@ def time_decode(rt: Runtime, handles: list[int], iters: int = 20) -> tuple[float
     return start.elapsed_time(end) / iters, host * 1e3 / iters, key[0]
 
 
-def time_step_api(rt: Runtime, handles: list[int], iters: int = 20) -> float:
+def time_step_api(rt: Runtime, handles: list[int], iters: int = 20, greedy: bool = False) -> float:
     """Wall ms of one `Runtime.step()` decode call as a caller makes it: validation, prepare, the replay and the
-    logits' copy to the host. Each call advances the requests by one token (leave `iters` positions of room)."""
+    logits' copy to the host; greedy=True: `step(on_device=True)` and the argmax of each request's row on the device,
+    the token ids copied to the host (what `generate()` does at temperature 0). Each call advances the requests by one
+    token (leave `iters` + 1 positions of room)."""
     batch = {h: [1] for h in handles}
-    rt.step(batch)  # warm-up: the pinned host buffers of this size
+
+    def call() -> None:
+        out = rt.step(batch, on_device=greedy)
+        if greedy:
+            torch.cat(list(out.values())).argmax(-1).tolist()
+
+    call()  # warm-up: the pinned host buffers of this size
     t0 = time.perf_counter()
     for _ in range(iters):
-        rt.step(batch)
+        call()
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
@@ -352,10 +362,11 @@ def run(preset: str = "tiny", layers: Optional[int] = None, experts: Optional[in
             handles = [rt.admit_synthetic(context, seed=i) for i in range(b)]
             ms, host_ms, bucket = time_decode(rt, handles)
             api_ms = time_step_api(rt, handles)
+            greedy_ms = time_step_api(rt, handles, greedy=True)
             distinct = _distinct_experts(rt, bucket)
             floor = step_bytes(model, rt, b, context, distinct) / bw * 1e3
             hf_ms = hf_decode_ms(model, b, context) if hf and b <= hf_max_batch and context <= 8192 else None
-            row = Row(name, b, context, ms, ms / cfg.num_layers, floor, hf_ms, host_ms, api_ms)
+            row = Row(name, b, context, ms, ms / cfg.num_layers, floor, hf_ms, host_ms, api_ms, greedy_ms)
             rows.append(row)
             print(row.markdown(), file=sys.stderr, flush=True)
             if profile:

@@ -209,6 +209,18 @@ def test_handles_and_contexts_take_integer_types(model):
     assert rt.live == [h]
 
 
+def test_on_device_logits(model):
+    """step(on_device=...) takes a bool only (refused before anything is written); on a CPU model the logits are
+    the host ones, value for value."""
+    rt, ref = (dsv4rt.Runtime(model, max_requests=2, max_context=64) for _ in range(2))
+    h, g = rt.admit(), ref.admit()
+    with pytest.raises(RequestError, match="on_device must be a bool"):
+        rt.step({h: [1, 2]}, on_device="yes")
+    assert rt.position(h) == 0
+    got = rt.step({h: [1, 2, 3]}, all_logits=True, on_device=True)[h]
+    torch.testing.assert_close(got, ref.step({g: [1, 2, 3]}, all_logits=True)[g], rtol=0, atol=0)
+
+
 def test_a_failed_forward_call_refuses_its_requests_and_spares_the_others(model):
     """An exception inside the forward (after validation) leaves its requests' caches possibly half written: those
     requests are refused from then on with a message that says so, while the others continue bit for bit and the

@@ -30,18 +30,28 @@ def test_bench_decode_tiny(benchmark, runtime, batch):
             runtime.release(h)
 
 
+@pytest.mark.parametrize("greedy", [False, True], ids=["host-logits", "greedy"])
 @pytest.mark.parametrize("batch", BATCHES)
-def test_bench_step_api(benchmark, runtime, batch):
+def test_bench_step_api(benchmark, runtime, batch, greedy):
     """A `Runtime.step()` decode call as a caller makes it: validation, prepare, the replay and the returned
-    logits' copy to the host (each round advances the requests one token: 55 rounds fit the 64 positions of room)."""
+    logits' copy to the host; greedy: `step(on_device=True)`, the argmax on the device and the token ids' copy, as
+    `generate()` does at temperature 0 (each round advances the requests one token: 55 rounds fit the 64 positions
+    of room)."""
     handles = [runtime.admit_synthetic(4096, seed=i) for i in range(batch)]
     try:
         feed = {h: [1] for h in handles}
-        out = runtime.step(feed)
+        out = runtime.step(feed, on_device=greedy)
         assert sorted(out) == sorted(handles)
-        assert all(v.shape == (1, runtime.model.cfg.vocab_size) and v.device.type == "cpu" for v in out.values())
-        benchmark.extra_info.update(device=torch.cuda.get_device_name(), batch=batch, context=4096)
-        benchmark.pedantic(lambda: runtime.step(feed), rounds=50, warmup_rounds=4)
+        where = "cuda" if greedy else "cpu"
+        assert all(v.shape == (1, runtime.model.cfg.vocab_size) and v.device.type == where for v in out.values())
+
+        def call():
+            got = runtime.step(feed, on_device=greedy)
+            if greedy:
+                torch.cat(list(got.values())).argmax(-1).tolist()
+
+        benchmark.extra_info.update(device=torch.cuda.get_device_name(), batch=batch, context=4096, greedy=greedy)
+        benchmark.pedantic(call, rounds=50, warmup_rounds=4)
     finally:
         for h in handles:
             runtime.release(h)

@@ -97,3 +97,38 @@ def test_thousand_decode_steps_no_recapture_no_alloc_no_sync(model):
         assert torch.cuda.memory_allocated() == mem, f"step {step}: memory_allocated moved"
     assert len(rt.runner.graphs) == n_graphs  # no recapture
     assert rt.runner.replays >= 1000
+
+
+def test_on_device_logits_and_greedy_generate(model):
+    """step(on_device=True) returns the host path's values on the device, kept across later replays (the replayed
+    output's buffer is reused); greedy generate(), which takes the argmax on the device, picks the tokens that the
+    host logits' argmax picks."""
+    kw = dict(max_requests=2, max_context=128, max_tokens_per_step=32, backend=BACKEND)
+    host_rt, dev_rt = dsv4rt.Runtime(model, **kw), dsv4rt.Runtime(model, **kw)
+    a, b = host_rt.admit(), dev_rt.admit()
+    seq = tokens(40, 5)
+    first = dev_rt.step({b: seq[:20]}, all_logits=True, on_device=True)[b]
+    assert first.device.type == "cuda" and first.shape == (20, CFG.vocab_size)
+    kept = first.clone()
+    want = host_rt.step({a: seq[:20]}, all_logits=True)[a]
+    for t in seq[20:]:
+        got = dev_rt.step({b: [t]}, on_device=True)[b]
+        torch.testing.assert_close(got.cpu(), host_rt.step({a: [t]})[a], rtol=0, atol=0)
+    torch.testing.assert_close(first, kept, rtol=0, atol=0)  # later replays left the caller's copy alone
+    torch.testing.assert_close(first.cpu(), want, rtol=0, atol=0)
+    host_rt.release(a)
+    dev_rt.release(b)
+
+    prompts = [tokens(9, 6), tokens(3, 7)]
+    rt = dsv4rt.Runtime(model, **kw)
+    hs = [rt.admit() for _ in prompts]
+    feed, picked = dict(zip(hs, prompts)), [[] for _ in prompts]
+    for _ in range(6):  # the greedy loop on host logits
+        out = rt.step(feed)
+        feed = {}
+        for i, h in enumerate(hs):
+            picked[i].append(int(out[h][-1].argmax()))
+            feed[h] = [picked[i][-1]]
+    for h in hs:
+        rt.release(h)
+    assert rt.generate(prompts, max_new_tokens=6) == picked
