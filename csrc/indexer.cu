@@ -532,19 +532,18 @@ struct WgWarp {
   }
 
   // Fragments of steps 0..3 and rexp from raw[] and scale[]. `spread` gathers (S - s) + 0x7FF4 of each row of this
-  // lane in its 16-bit half (rows g, g + 8; those at or past `rows` count 0): bit 15 or 31 is set once a row's
-  // block lies more than 11 binades below its largest, which the table's shift then clamps (a block of zero codes
-  // at the floor scale counts too, though it reads 0 whatever the shift). The check adds two instructions a tile
-  // (a per-tile vote across the warpgroup cost 10% at batch 64); the rare CTA it flags scores again. Call only once
-  // the wgmma that read frag[] has completed.
-  __device__ __forceinline__ void decode_f8(int g, int rows, uint32_t& spread) {
+  // lane in its 16-bit half (rows g, g + 8; `rmask` clears the half of a row past the visible ones): bit 15 or 31
+  // is set once a row's block lies more than 11 binades below its largest, which the table's shift then clamps (a
+  // block of zero codes at the floor scale counts too, though it reads 0 whatever the shift). The check adds two
+  // instructions a tile (a per-tile vote across the warpgroup cost 10% at batch 64); the rare CTA it flags scores
+  // again. Call only once the wgmma that read frag[] has completed.
+  __device__ __forceinline__ void decode_f8(uint32_t rmask, uint32_t& spread) {
     static_assert(DI == 128 && FP4, "FP8 operands: FP4 keys of head dim 128");
     const uint32_t own = scale[0] | (scale[1] << 16);
     uint32_t sp = __vmaxu2(own, __shfl_xor_sync(0xffffffffu, own, 1));  // the row's largest scale (its quad's)
     sp = __vmaxu2(sp, __shfl_xor_sync(0xffffffffu, sp, 2));
     uint32_t x = sp - own + 0x7FF47FF4u;  // per half: S - s <= 255, so no carry between the halves
-    if (rows < 16) x &= (g < rows ? 0xFFFFu : 0u) | (g + 8 < rows ? 0xFFFF0000u : 0u);  // the last, partial tile
-    spread |= x;
+    spread |= x & rmask;
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       const int smax = static_cast<int>(rr ? sp >> 16 : sp & 0xFFFFu);
@@ -597,21 +596,16 @@ __device__ __forceinline__ void wg_epilogue(const float (&d)[32], const float* w
       s1 = fmaf(w[i], fmaxf(d[4 * c + 2 + e], 0.0f), s1);
     }
   }
-  s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
-  s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-  s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
-  s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+  const bool odd = t & 1;  // even lanes sum row g, odd lanes row g + 8 (same addition order as before)
+  float r = (odd ? s1 : s0) + __shfl_xor_sync(0xffffffffu, odd ? s0 : s1, 1);
+  r += __shfl_xor_sync(0xffffffffu, r, 2);
   if constexpr (F8) {
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const int e = rexp[rr], e1 = e >> 1;
-      float& v = rr ? s1 : s0;
-      v = __fmul_rn(__fmul_rn(v, __int_as_float((e1 + 127) << 23)), __int_as_float((e - e1 + 127) << 23));
-    }
+    const int e = odd ? rexp[1] : rexp[0], e1 = e >> 1;
+    r = __fmul_rn(__fmul_rn(r, __int_as_float((e1 + 127) << 23)), __int_as_float((e - e1 + 127) << 23));
   }
   const int j = j0 + 16 * warp + g + 8 * t;
   if (t < 2 && j < nv) {
-    const uint32_t key = order_key(t == 0 ? s0 : s1);
+    const uint32_t key = order_key(r);
     keys[j] = key;
     if (hist != nullptr) atomicAdd(hist + (key >> 20), 1u);
   }
@@ -656,7 +650,8 @@ __device__ __forceinline__ bool stage_q_f8(const IndexerArgs& a, int64_t t, cons
       const __half2_raw back = __nv_cvt_fp8x2_to_halfraw2(b8, __NV_E4M3);
       const __half2 yh = __floats2half2_rn(y0, y1);
       const __half2_raw yr = *reinterpret_cast<const __half2_raw*>(&yh);
-      ok &= back.x == yr.x && back.y == yr.y;
+      ok &= (static_cast<uint32_t>(back.x) | (static_cast<uint32_t>(back.y) << 16)) ==
+            (static_cast<uint32_t>(yr.x) | (static_cast<uint32_t>(yr.y) << 16));
       p8[j] = b8;
     }
     q8[i][0] = p8[0] | (p8[1] << 16);
@@ -696,7 +691,9 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
   uint8_t* ring = base + C::kQBytes;                                          // [kStages][4 warps][kSeg]
   uint32_t* hist = reinterpret_cast<uint32_t*>(ring + C::kStages * 4 * C::kSeg);
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+  // 128 threads: the mask tells the compiler tid is in [0, 128), so the staging's index math folds
+  const int tid = static_cast<int>(threadIdx.x & 127u), lane = tid & 31, warp = tid >> 5, g = lane >> 2;
+  const int t4 = lane & 3;
   const int64_t tl = blockIdx.x / ctas, t = t0 + tl;
   const int c = static_cast<int>(blockIdx.x % ctas);
   const Tok tok = token_info(a, t, ws.n_cap);
@@ -721,14 +718,15 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
     const uint4* q4 = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.q) + t * a.n_heads * DI);
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
-      const int ch = tid + 128 * i, h = ch / (DI / 8);
+      const int ch = tid + 128 * i, h = tid / (DI / 8) + i * (128 / (DI / 8));
       v[i] = h < a.n_heads ? q4[ch] : make_uint4(0, 0, 0, 0);
     }
   };
+  static_assert(128 % (DI / 8) == 0, "a thread's chunks share one position in a head row");
   auto stage_bf16 = [&](const uint4 (&v)[kChunks]) {
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
-      const int ch = tid + 128 * i, h = ch / (DI / 8), e0 = (ch % (DI / 8)) * 8;
+      const int h = tid / (DI / 8) + i * (128 / (DI / 8)), e0 = (tid % (DI / 8)) * 8;  // chunk tid + 128 i
       const int ts = e0 / (DI / 4), ci = (e0 % (DI / 4)) >> 3;  // lane slice, 8-element chunk within it
       const uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
 #pragma unroll
@@ -788,6 +786,10 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
 #pragma unroll
   for (int i = 0; i < 32; ++i) d[i] = 0.0f;
   uint32_t spread = 0u;  // F8: bit 15 or 31 once a row of this thread's was read with its shift clamped (decode_f8)
+  // F8: which of this thread's two rows (g, g + 8) of the CTA's last tile are visible (every earlier tile is full)
+  const int last_rows = nv - (tb + n - 1) * kWgTile - 16 * warp;
+  const uint32_t last_mask =
+      last_rows >= 16 ? 0xFFFFFFFFu : (g < last_rows ? 0xFFFFu : 0u) | (g + 8 < last_rows ? 0xFFFF0000u : 0u);
   // per tile: raw rows of tile i to registers, refill the ring, finish tile i - 1 (its wgmma read the fragments
   // that tile i's decode overwrites), decode and start tile i
   auto tiles = [&](auto f8c) {
@@ -816,7 +818,7 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
       if (!BULK) cp_async_commit();
       DSV4RT_FINISH_TILE(i > 0, (tb + i - 1) * kWgTile)
       if constexpr (kE4m3) {
-        w.decode_f8(g, nv - (tb + i) * kWgTile - 16 * warp, spread);
+        w.decode_f8(i == n - 1 ? last_mask : 0xFFFFFFFFu, spread);
         w.issue_f8(d, desc0);
       } else {
         w.decode(seg(i), g, t4);  // bf16: reads stage i, which is refilled only at step i + 1 (after its __syncwarp)
