@@ -804,6 +804,9 @@ __global__ void __launch_bounds__(128, 4) score_wgmma_kernel(const IndexerArgs a
     w.retire();                                                                 \
   }                                                                             \
   if (DONE) wg_epilogue<kE4m3>(d, wv, keys, nv, (J0), hist_or_null, w.rexp);
+// 4 = the FP4 ring's stages: offsets, barrier addresses and wait parities become constants (29 fewer instructions a
+// warp and tile in the e4m3 instance); b64 over 256K entries 7% shorter on an H100, b1 unchanged
+#pragma unroll 4
     for (int i = 0; i < n; ++i) {
       if (BULK) {
         mbar_wait(bar(i), static_cast<uint32_t>(i / C::kStages) & 1u);
