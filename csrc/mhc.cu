@@ -633,16 +633,11 @@ cudaError_t launch_mix(HcMixArgs a, int m_rows, cudaStream_t stream, bool post) 
     auto go = [&](auto kernel) {
       return launch_ex(kernel, grid, dim3(kThreads), 0, stream, 1, pdl, a, m_rows, kc, tokens_per_warp);
     };
-    cudaError_t err;
-    if constexpr (CAP == 24 && NX == 4) {
-      if (fuse) {
-        err = go(hc_mix_partial_kernel<CAP, T, 1, true>);
-      } else {
-        err = fit ? go(hc_mix_partial_kernel<CAP, T, 1>) : go(hc_mix_partial_kernel<CAP, T, 2>);
-      }
-    } else {
-      err = fit ? go(hc_mix_partial_kernel<CAP, T, 1>) : go(hc_mix_partial_kernel<CAP, T, 2>);
+    cudaError_t err = cudaSuccess;
+    if constexpr (CAP == 24 && NX == 4) {  // the only instance that fuses (fuse stays false elsewhere)
+      if (fuse) err = go(hc_mix_partial_kernel<CAP, T, 1, true>);
     }
+    if (!fuse) err = fit ? go(hc_mix_partial_kernel<CAP, T, 1>) : go(hc_mix_partial_kernel<CAP, T, 2>);
     if (err != cudaSuccess) return err;
   }
   if (a.n_tokens > 0x7fffffff) return cudaErrorInvalidConfiguration;
