@@ -320,7 +320,7 @@ class Runtime:
                 if not on_device:
                     logits = self._to_host(logits, n)
                 elif self.runner is not None:
-                    logits = logits[:n].clone()  # the replayed output lives in the graph pool: the next replay reuses it
+                    logits = logits[:n].clone()  # the replayed output is the graph pool's: the next replay reuses it
                 else:
                     logits = logits[:n]  # a fresh output of the uncaptured forward
             except BaseException as e:
