@@ -11,8 +11,8 @@ from .cache import BlockAllocator, KVCache
 from .checkpoint import CheckpointError
 from .config import ModelConfig
 from .model import Model
-from .runtime import CapacityError, RequestError, Runtime, UnknownRequest
+from .runtime import CapacityError, RequestError, Runtime, UnknownRequest, greedy_tokens
 
 __all__ = ["ModelConfig", "Model", "Runtime", "KVCache", "BlockAllocator", "RequestError", "UnknownRequest",
-           "CapacityError", "CheckpointError"]
+           "CapacityError", "CheckpointError", "greedy_tokens"]
 __version__ = "0.1.0"

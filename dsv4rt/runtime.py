@@ -438,8 +438,8 @@ class Runtime:
                     if not feed:
                         break
                     logits = self.step(feed, on_device=greedy)
-                    if greedy:  # argmax where the logits are: only the token ids travel to the host
-                        picked = torch.cat([lg[-1:] for lg in logits.values()]).argmax(-1).tolist()
+                    if greedy:
+                        picked = greedy_tokens(logits)
                     else:
                         picked = [_sample(lg[-1], temperature, top_k, top_p, gen) for lg in logits.values()]
                     feed = {}
@@ -511,6 +511,12 @@ def _token_list(kind: str, tokens, index: int) -> list[int]:
         except TypeError:
             raise RequestError(f"{who}: token id {t!r} is not an int") from None
     return out
+
+
+def greedy_tokens(logits: Mapping[int, torch.Tensor]) -> list[int]:
+    """The argmax of each request's last logits row, in the mapping's order, taken where the logits are: with
+    `step(on_device=True)` one device op picks every row and only the token ids travel to the host."""
+    return torch.cat([lg[-1:] for lg in logits.values()]).argmax(-1).tolist()
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:

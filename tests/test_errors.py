@@ -221,6 +221,20 @@ def test_on_device_logits(model):
     torch.testing.assert_close(got, ref.step({g: [1, 2, 3]}, all_logits=True)[g], rtol=0, atol=0)
 
 
+def test_greedy_tokens_picks_each_requests_last_row(model):
+    """greedy_tokens() takes the argmax of each request's last row (all_logits included), in the step's order, and
+    generate() at temperature 0 continues with exactly those tokens."""
+    rt = dsv4rt.Runtime(model, max_requests=2, max_context=64)
+    a, b = rt.admit(), rt.admit()
+    out = rt.step({b: [5], a: [1, 2, 3]}, all_logits=True)
+    assert out[a].shape[0] == 3
+    assert dsv4rt.greedy_tokens(out) == [int(out[b][-1].argmax()), int(out[a][-1].argmax())]
+    first = dsv4rt.greedy_tokens({a: out[a]})
+    want = dsv4rt.Runtime(model, max_requests=2, max_context=64).generate([[1, 2, 3]], max_new_tokens=2)[0]
+    nxt = dsv4rt.greedy_tokens(rt.step({a: first}))
+    assert first + nxt == want
+
+
 def test_a_failed_forward_call_refuses_its_requests_and_spares_the_others(model):
     """An exception inside the forward (after validation) leaves its requests' caches possibly half written: those
     requests are refused from then on with a message that says so, while the others continue bit for bit and the
