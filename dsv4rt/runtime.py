@@ -515,7 +515,10 @@ def _token_list(kind: str, tokens, index: int) -> list[int]:
 
 def greedy_tokens(logits: Mapping[int, torch.Tensor]) -> list[int]:
     """The argmax of each request's last logits row, in the mapping's order, taken where the logits are: with
-    `step(on_device=True)` one device op picks every row and only the token ids travel to the host."""
+    `step(on_device=True)` one device op picks every row and only the token ids travel to the host. An empty
+    mapping picks none."""
+    if not logits:
+        return []
     return torch.cat([lg[-1:] for lg in logits.values()]).argmax(-1).tolist()
 
 

@@ -233,6 +233,7 @@ def test_greedy_tokens_picks_each_requests_last_row(model):
     want = dsv4rt.Runtime(model, max_requests=2, max_context=64).generate([[1, 2, 3]], max_new_tokens=2)[0]
     nxt = dsv4rt.greedy_tokens(rt.step({a: first}))
     assert first + nxt == want
+    assert dsv4rt.greedy_tokens({}) == []
 
 
 def test_a_failed_forward_call_refuses_its_requests_and_spares_the_others(model):
