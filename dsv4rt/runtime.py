@@ -173,11 +173,11 @@ class Runtime:
     def release(self, handle: int) -> None:
         """Free the request's slot and blocks."""
         req = self._get(handle)
+        del self._requests[operator.index(handle)]  # the key is an int whatever integer type the handle came as
         self.allocator.free(req.blocks)
         self.block_table[req.slot].fill_(self.cache.num_blocks)
         self._bt_dirty.add(req.slot)
         self._free_slots.append(req.slot)
-        del self._requests[handle]
 
     def position(self, handle: int) -> int:
         """Tokens the request has processed so far."""

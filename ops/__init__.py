@@ -64,6 +64,9 @@ def load_cuda_kernels(verbose: bool = False, families: list[str] | None = None) 
     `families` (default: the comma list in DSV4RT_KERNEL_FAMILIES, else every family) picks which to load, so a
     family can be benchmarked against its reference. Returns the families loaded. A family that fails to build
     raises; the families loaded before it stay registered."""
+    if not CSRC.is_dir():  # a non-editable install copies the packages but not csrc/
+        raise FileNotFoundError(f"load_cuda_kernels: no kernel sources at {CSRC}; install the package editable "
+                                "(pip install -e .) from a checkout that has csrc/")
     if families is None:
         env = os.environ.get("DSV4RT_KERNEL_FAMILIES", "").strip()
         families = [f.strip() for f in env.split(",") if f.strip()] if env else kernel_families()

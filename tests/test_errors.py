@@ -154,6 +154,25 @@ def test_native_kernels_mode_names_the_step_ops_without_a_kernel(monkeypatch):
     assert _load_kernels("native", True, print)["kv_fp8_quantize"] == "reference"
 
 
+def test_missing_kernel_sources_are_named(monkeypatch, tmp_path):
+    """Without csrc/ (a non-editable install copies the packages only) the kernel build names the missing folder
+    and the fix, instead of loading nothing; a runtime with kernels="auto" logs that and runs the references,
+    kernels="native" refuses to start."""
+    from dsv4rt import ops
+    from dsv4rt.runtime import _load_kernels
+
+    monkeypatch.setattr(ops, "CSRC", tmp_path / "csrc")
+    with pytest.raises(FileNotFoundError, match="no kernel sources at .*csrc.*pip install -e"):
+        ops.load_cuda_kernels()
+    logged = []
+    coverage = _load_kernels("auto", True, logged.append)
+    assert len(logged) == 1 and "no kernel sources" in logged[0] and "running the reference ops" in logged[0]
+    assert set(coverage) == set(ops.OPS)
+    with pytest.raises(RuntimeError, match="kernels='native': the CUDA extension failed to build or load: "
+                                           "load_cuda_kernels: no kernel sources"):
+        _load_kernels("native", True, print)
+
+
 def test_generate_checks_everything_before_the_first_step(model):
     """generate() refuses what would fail later (prompt plus new tokens past max_context, bad prompts and sampling
     arguments) before any step, with the prompt's index, and leaves the runtime's requests as they were."""
@@ -207,6 +226,18 @@ def test_handles_and_contexts_take_integer_types(model):
     with pytest.raises(RequestError, match="context must be an int"):
         rt.admit_synthetic(True)
     assert rt.live == [h]
+    assert rt.position(torch.tensor(h)) == 2
+    free = rt.allocator.num_free
+    rt.step({h: list(range(1, 31))})  # 32 positions: closed compressor entries hold blocks
+    assert rt.allocator.num_free < free
+    rt.release(torch.tensor(h))  # released whole: handle gone, slot and blocks free once
+    assert rt.live == [] and rt.allocator.num_free == free
+    with pytest.raises(UnknownRequest, match=f"unknown request handle {h}"):
+        rt.release(h)
+    a, b = rt.admit(), rt.admit()
+    assert sorted([a, b]) == [h + 1, h + 2]  # both slots usable again, neither handed out twice
+    with pytest.raises(CapacityError):
+        rt.admit()
 
 
 def test_on_device_logits(model):
