@@ -9,6 +9,12 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/oracle.py, tests/factori
 
 
 def pytest_collection_modifyitems(config, items):
+    # a module's cpu_repeat(params) names parametrisations that only repeat another on the CPU: left out
+    def repeat(item):
+        hook = getattr(getattr(item, "module", None), "cpu_repeat", None)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        return hook is not None and hook(params)
+    items[:] = [item for item in items if not repeat(item)]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

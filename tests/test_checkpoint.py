@@ -336,7 +336,7 @@ def test_layer_slice(official_dir):
         assert not any(k.startswith("layers.2.") for k in sd)
     assert logits(part, tokens(8, 3)).shape == (8, CFG.vocab_size)
     for bad in (range(1, 3), 0, 6):
-        with pytest.raises(ValueError, match="layers"):
+        with pytest.raises(ValueError, match="layers must be"):
             load(official_dir, layers=bad)
 
 
@@ -352,9 +352,11 @@ def test_mtp_ignored_and_progress(official_dir, tmp_path, capsys):
     shutil.copytree(official_dir, d)
     edit_shard(d, "model-00003-of-00003.safetensors", add={"mtp.0.attn.wkv.weight": torch.zeros(4, 4),
                                                            "mtp.0.hc_head_fn": torch.zeros(2)})
-    dsv4rt.Model.from_pretrained(d, dtype=torch.float32)
+    got = dsv4rt.Model.from_pretrained(d, dtype=torch.float32).state_dict()
     err = capsys.readouterr().err
     assert "[1/3] model-00001-of-00003.safetensors" in err and "[3/3]" in err
+    want = dsv4rt.Model.from_pretrained(official_dir, dtype=torch.float32).state_dict()  # the mtp.* tensors ignored
+    assert got.keys() == want.keys() and all(torch.equal(v, want[k]) for k, v in got.items())
 
 
 # ---------------------------------------------------------------------------------------------- bad folders

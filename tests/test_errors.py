@@ -73,7 +73,9 @@ def test_state_dict_errors(model):
         dsv4rt.Model.from_hf_state_dict(CFG, shaped)
     # the good one still loads, and mtp.* / rotary buffers are ignored
     ok = dict(sd, **{"mtp.0.x": torch.zeros(1), "model.rotary_emb.main_inv_freq": torch.zeros(1)})
-    assert dsv4rt.Model.from_hf_state_dict(CFG, ok) is not None
+    loaded = dsv4rt.Model.from_hf_state_dict(CFG, ok).state_dict()
+    assert loaded.keys() == model.state_dict().keys()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.items())
 
 
 def test_hash_table_outside_the_experts_is_refused_at_load(model):
@@ -85,8 +87,9 @@ def test_hash_table_outside_the_experts_is_refused_at_load(model):
         sd[name][5, 0] = bad
         with pytest.raises(ValueError, match=rf"tid2eid: expert id {bad} outside \[0, n_experts={CFG.n_experts}\)"):
             dsv4rt.Model.from_hf_state_dict(CFG, sd)
-    sd[name][5, 0] = CFG.n_experts - 1
-    assert dsv4rt.Model.from_hf_state_dict(CFG, sd) is not None
+    sd[name][5, 0] = CFG.n_experts - 1  # the last expert is in range
+    loaded = dsv4rt.Model.from_hf_state_dict(CFG, sd).state_dict()
+    assert int(loaded[name.removeprefix("model.")][5, 0]) == CFG.n_experts - 1
 
 
 @pytest.mark.parametrize("field,value,fragment", [

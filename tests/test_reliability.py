@@ -458,29 +458,39 @@ def carry_on(rt: dsv4rt.Runtime, h: dict[str, int]) -> list[dict[int, torch.Tens
 
 
 # (bad call, the error it must raise); h holds the handles of populate()
-REFUSALS = [
+REFUSALS = [  # (call, error, what its message must say)
     pytest.param(lambda rt, h: rt.step({h["a"]: [5], h["b"]: [5] * (MAX_CONTEXT - 121 + 1)}), dsv4rt.RequestError,
-                 id="context_overflow"),
+                 r"request 1: 121 \+ 40 tokens exceeds max_context=160", id="context_overflow"),
     pytest.param(lambda rt, h: rt.step({h["a"]: [5], h["b"]: [5, CFG.vocab_size]}), dsv4rt.RequestError,
-                 id="token_past_vocab"),
-    pytest.param(lambda rt, h: rt.step({h["a"]: [5], h["b"]: [-1]}), dsv4rt.RequestError, id="negative_token"),
-    pytest.param(lambda rt, h: rt.step({h["a"]: [5], h["b"]: ["x"]}), dsv4rt.RequestError, id="non_int_token"),
-    pytest.param(lambda rt, h: rt.step({h["a"]: [5], h["b"]: []}), dsv4rt.RequestError, id="no_new_tokens"),
-    pytest.param(lambda rt, h: rt.step({}), dsv4rt.RequestError, id="empty_batch"),
-    pytest.param(lambda rt, h: rt.step({h["a"]: [5], GHOST: [5]}), dsv4rt.UnknownRequest, id="unknown_handle"),
-    pytest.param(lambda rt, h: rt.step({h["a"]: [5], h["c"]: [5]}), dsv4rt.UnknownRequest, id="released_handle"),
-    pytest.param(lambda rt, h: rt.release(GHOST), dsv4rt.UnknownRequest, id="release_unknown"),
-    pytest.param(lambda rt, h: rt.release([h["a"]]), dsv4rt.UnknownRequest, id="release_unhashable"),
-    pytest.param(lambda rt, h: rt.release(h["c"]), dsv4rt.UnknownRequest, id="double_release"),
-    pytest.param(lambda rt, h: rt.admit(), dsv4rt.CapacityError, id="too_many_requests"),
+                 r"request 1: token id 512 outside the vocabulary \[0, 512\)", id="token_past_vocab"),
+    pytest.param(lambda rt, h: rt.step({h["a"]: [5], h["b"]: [-1]}), dsv4rt.RequestError,
+                 r"request 1: token id -1 outside the vocabulary", id="negative_token"),
+    pytest.param(lambda rt, h: rt.step({h["a"]: [5], h["b"]: ["x"]}), dsv4rt.RequestError,
+                 r"request 1: token id 'x' is not an int", id="non_int_token"),
+    pytest.param(lambda rt, h: rt.step({h["a"]: [5], h["b"]: []}), dsv4rt.RequestError,
+                 r"request 1: no new tokens", id="no_new_tokens"),
+    pytest.param(lambda rt, h: rt.step({}), dsv4rt.RequestError, r"step\(\) takes a non-empty dict", id="empty_batch"),
+    pytest.param(lambda rt, h: rt.step({h["a"]: [5], GHOST: [5]}), dsv4rt.UnknownRequest,
+                 rf"unknown request handle {GHOST} ", id="unknown_handle"),
+    pytest.param(lambda rt, h: rt.step({h["a"]: [5], h["c"]: [5]}), dsv4rt.UnknownRequest,
+                 r"unknown request handle 2 ", id="released_handle"),
+    pytest.param(lambda rt, h: rt.release(GHOST), dsv4rt.UnknownRequest, rf"unknown request handle {GHOST} ",
+                 id="release_unknown"),
+    pytest.param(lambda rt, h: rt.release([h["a"]]), dsv4rt.UnknownRequest, r"unknown request handle \[0\] ",
+                 id="release_unhashable"),
+    pytest.param(lambda rt, h: rt.release(h["c"]), dsv4rt.UnknownRequest, r"unknown request handle 2 ",
+                 id="double_release"),
+    pytest.param(lambda rt, h: rt.admit(), dsv4rt.CapacityError, r"all 3 request slots are in use",
+                 id="too_many_requests"),
     # a (101 -> 135 tokens) would fit alone in the one free block; b (121 -> 135) then needs a second
     pytest.param(lambda rt, h: rt.step({h["a"]: list(stream(0)[101:135]), h["b"]: list(stream(1)[121:135])}),
-                 dsv4rt.CapacityError, id="allocator_exhausted_mid_batch"),
+                 dsv4rt.CapacityError, r"block allocator exhausted: the step needs 2 new blocks, 1 free",
+                 id="allocator_exhausted_mid_batch"),
 ]
 
 
-@pytest.mark.parametrize("bad_call, error", REFUSALS)
-def test_refusal_leaves_no_trace(bad_call, error):
+@pytest.mark.parametrize("bad_call, error, message", REFUSALS)
+def test_refusal_leaves_no_trace(bad_call, error, message):
     def runtime():
         return dsv4rt.Runtime(tiny_model(), max_requests=3, max_context=MAX_CONTEXT, num_blocks=REFUSAL_NUM_BLOCKS)
     rt, twin = runtime(), runtime()  # twin never sees the bad call
@@ -488,7 +498,7 @@ def test_refusal_leaves_no_trace(bad_call, error):
     assert rt.allocator.num_free == 1 and not rt._free_slots
     assert {"block_table", "inputs.block_table"} <= set(runtime_tensors(rt))  # both tables are hashed
     before = snapshot(rt)
-    with pytest.raises(error):
+    with pytest.raises(error, match=message):  # the message names the problem
         bad_call(rt, h)
     assert_unchanged(before, snapshot(rt), "the refused call")
     assert before == snapshot(twin)  # the twin is a fair comparison

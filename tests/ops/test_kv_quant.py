@@ -55,7 +55,7 @@ def test_fp8_row_bytes():
     assert kv_quant.fp8_row_bytes(512, 64) == 448 + 128 + 8 == 584
     assert kv_quant.fp8_row_bytes(128, 64) == 64 + 128 + 8
     assert kv_fp8_quantize(torch.randn(3, 512), 64).shape == (3, 584)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="positive multiple of 64, got 36"):
         kv_quant.fp8_row_bytes(100, 64)  # nope 36 is no multiple of the 64-wide block
 
 
@@ -111,7 +111,7 @@ def test_fp8_round_trip_equals_fake_quant(dtype):
 # ------------------------------------------------------------------------------------------ FP4 rows
 def test_fp4_row_bytes():
     assert kv_quant.fp4_row_bytes(128) == 64 + 4 == 68
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="power-of-two width divisible by 32, got 96"):
         kv_quant.fp4_row_bytes(96)  # not a power of two
 
 
