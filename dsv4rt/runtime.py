@@ -307,8 +307,9 @@ class Runtime:
         on_device=True returns them on the model's device instead, without waiting for the step: a stream-ordered
         copy of the returned rows that the caller keeps (later steps do not overwrite it). For a caller that
         samples on the device: at 64 requests of a Flash model the host copy is 33 MB a step."""
-        if not isinstance(on_device, bool):
-            raise RequestError(f"on_device must be a bool, got {type(on_device).__name__}")
+        for name, flag in (("all_logits", all_logits), ("on_device", on_device)):
+            if not isinstance(flag, bool):
+                raise RequestError(f"{name} must be a bool, got {type(flag).__name__}")
         segments, new_blocks = self._validate(batch)  # refusals happen here, before anything is written
         self._allocate(segments, new_blocks)
         pieces: dict[int, list[torch.Tensor]] = {s.handle: [] for s in segments}
@@ -352,13 +353,21 @@ class Runtime:
             context = _int_arg("context", context, 0)
         except (TypeError, ValueError) as e:
             raise RequestError(f"synthetic {e}") from None
+        seed = _seed_arg(seed)
         if not 0 <= context < self.max_context:
             raise RequestError(f"synthetic context {context} must be in [0, max_context={self.max_context})")
         need = self.cache.blocks_needed(context)
         if need > self.allocator.num_free:
             raise CapacityError(f"block allocator exhausted: {need} blocks needed, {self.allocator.num_free} free")
         handle = self.admit()
-        req = self._requests[handle]
+        try:
+            self._fill_synthetic(self._requests[handle], context, need, seed)
+        except BaseException:
+            self.release(handle)  # no half-admitted request is left behind (its slot and blocks go back)
+            raise
+        return handle
+
+    def _fill_synthetic(self, req: _Request, context: int, need: int, seed: int) -> None:
         req.blocks = self.allocator.allocate(need)
         self.block_table[req.slot, :need] = torch.tensor(req.blocks, dtype=torch.int32)
         self._bt_dirty.add(req.slot)
@@ -389,7 +398,6 @@ class Runtime:
                     lc.idx_entries[blocks] = store_rows(rand(need, lc.idx_entries.shape[1], cfg.index_head_dim), 0,
                                                         lc.idx_quant, lc.idx_entries.dtype)
         req.pos = context
-        return handle
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Iterable[Sequence[int]], max_new_tokens: int = 16, temperature: float = 0.0,
@@ -407,6 +415,7 @@ class Runtime:
             top_k = _int_arg("top_k", top_k, 0)
         except (TypeError, ValueError) as e:
             raise RequestError(str(e)) from None
+        seed = _seed_arg(0 if seed is None else seed)
         if not _finite(temperature) or temperature < 0 or not _finite(top_p) or not 0 < top_p <= 1:
             raise RequestError(f"sampling needs a finite temperature >= 0 and 0 < top_p <= 1, got temperature="
                                f"{temperature!r}, top_p={top_p!r}")
@@ -422,7 +431,7 @@ class Runtime:
                                        f"{self.max_context} (at most {self.max_context - len(p) + 1} new tokens)")
             if prompts and not self._free_slots:
                 raise CapacityError(f"generate needs a free request slot: all {self.max_requests} are in use")
-        gen = torch.Generator().manual_seed(seed if seed is not None else 0)
+        gen = torch.Generator().manual_seed(seed)
         outs: list[list[int]] = [[] for _ in prompts]
         width = max(len(self._free_slots), 1)
         for i0 in range(0, len(prompts), width):
@@ -483,6 +492,17 @@ def _int_arg(name: str, value, minimum: int) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
     if v < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return v
+
+
+def _seed_arg(seed) -> int:
+    """A random seed: any integer type (not bool) that a torch.Generator takes, else a RequestError naming it."""
+    try:
+        v = _int_arg("seed", seed, -(1 << 63))
+    except (TypeError, ValueError) as e:
+        raise RequestError(str(e)) from None
+    if v >= 1 << 64:
+        raise RequestError(f"seed must be below 2**64, got {v}")
     return v
 
 

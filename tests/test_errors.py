@@ -243,6 +243,33 @@ def test_handles_and_contexts_take_integer_types(model):
         rt.admit()
 
 
+def test_seeds_are_checked_before_anything_is_taken(model, monkeypatch):
+    """admit_synthetic and generate refuse a seed a generator cannot take before a slot or block is taken (a bad
+    seed used to leave a half-admitted request holding both); a failure while admit_synthetic fills the caches
+    gives the slot and blocks back."""
+    rt = dsv4rt.Runtime(model, max_requests=2, max_context=64)
+    other = rt.admit()
+    free = rt.allocator.num_free
+    for seed, fragment in (("x", "seed must be an int, got str"), (1.5, "seed must be an int"),
+                           (True, "seed must be an int"), (1 << 64, "seed must be below 2\\*\\*64")):
+        with pytest.raises(RequestError, match=fragment):
+            rt.admit_synthetic(40, seed=seed)
+        with pytest.raises(RequestError, match=fragment):
+            rt.generate([[1, 2]], max_new_tokens=2, temperature=1.0, seed=seed)
+        assert rt.live == [other] and rt.allocator.num_free == free
+    assert rt.position(rt.admit_synthetic(40, seed=-1)) == 40  # any 64-bit seed, negative too
+    rt.release(rt.live[-1])
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+    monkeypatch.setattr(dsv4rt.runtime, "store_rows", fail)
+    with pytest.raises(RuntimeError, match="simulated"):
+        rt.admit_synthetic(40)
+    assert rt.live == [other] and rt.allocator.num_free == free
+    h = rt.admit()  # the slot came back
+    assert rt.live == [other, h]
+
+
 def test_on_device_logits(model):
     """step(on_device=...) takes a bool only (refused before anything is written); on a CPU model the logits are
     the host ones, value for value."""
@@ -250,6 +277,8 @@ def test_on_device_logits(model):
     h, g = rt.admit(), ref.admit()
     with pytest.raises(RequestError, match="on_device must be a bool"):
         rt.step({h: [1, 2]}, on_device="yes")
+    with pytest.raises(RequestError, match="all_logits must be a bool, got str"):  # a truthy "no" was taken as True
+        rt.step({h: [1, 2]}, all_logits="no")
     assert rt.position(h) == 0
     got = rt.step({h: [1, 2, 3]}, all_logits=True, on_device=True)[h]
     torch.testing.assert_close(got, ref.step({g: [1, 2, 3]}, all_logits=True)[g], rtol=0, atol=0)
