@@ -86,6 +86,11 @@ class Runtime:
                  compile: bool = False, max_tokens_per_step: int | None = None, num_blocks: int | None = None,
                  graphs: Optional[bool] = None, backend: Optional[str | Callable] = None, kernels: Optional[str] = None,
                  log: Optional[Callable[[str], None]] = None) -> None:
+        for name, flag in (("compile", compile), ("graphs", graphs)):
+            if not (isinstance(flag, bool) or (flag is None and name == "graphs")):
+                raise TypeError(f"{name} must be a bool{' or None' if name == 'graphs' else ''}, got {flag!r}")
+        if log is not None and not callable(log):
+            raise TypeError(f"log must be a callable taking one str, got {type(log).__name__}")
         max_requests = _int_arg("max_requests", max_requests, 1)
         max_context = _int_arg("max_context", max_context, 1)
         if max_tokens_per_step is not None:
@@ -537,6 +542,8 @@ def greedy_tokens(logits: Mapping[int, torch.Tensor]) -> list[int]:
     """The argmax of each request's last logits row, in the mapping's order, taken where the logits are: with
     `step(on_device=True)` one device op picks every row and only the token ids travel to the host. An empty
     mapping picks none."""
+    if not isinstance(logits, Mapping):
+        raise TypeError(f"greedy_tokens takes step()'s {{handle: logits}} dict, got {type(logits).__name__}")
     if not logits:
         return []
     return torch.cat([lg[-1:] for lg in logits.values()]).argmax(-1).tolist()

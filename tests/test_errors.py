@@ -140,6 +140,18 @@ def test_runtime_argument_errors(model):
         dsv4rt.Runtime(model, backend="aot_eager", graphs=False)
 
 
+def test_runtime_flags_and_log_are_checked(model):
+    """compile / graphs take a bool (graphs also None: the device decides) and log a callable, refused at
+    construction with the argument's name; greedy_tokens takes step()'s dict."""
+    for kw, fragment in ((dict(compile="yes"), "compile must be a bool, got 'yes'"),
+                         (dict(graphs=1), "graphs must be a bool or None, got 1"),
+                         (dict(log=5), "log must be a callable")):
+        with pytest.raises(TypeError, match=fragment):
+            dsv4rt.Runtime(model, **kw)
+    with pytest.raises(TypeError, match="greedy_tokens takes step\\(\\)'s"):
+        dsv4rt.greedy_tokens([torch.zeros(1, 4)])
+
+
 def test_native_kernels_mode_names_the_step_ops_without_a_kernel(monkeypatch):
     """kernels="native" refuses to start when an op the step calls has no CUDA kernel and names it; the
     standalone row codecs (not called by the step) do not count."""
