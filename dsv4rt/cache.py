@@ -29,22 +29,42 @@ KV_DTYPES = ("auto", "fp8", "fp8_sim")
 
 
 class BlockAllocator:
-    """Fixed-size block allocator (host only). Blocks are ints in [0, num_blocks)."""
+    """Fixed-size block allocator (host only). Blocks are ints in [0, num_blocks). A block is handed out once until
+    it is freed: freeing a block that is not allocated (out of range, already free, or twice in one call) is
+    refused before anything changes, since two requests sharing a block would overwrite each other's entries."""
 
     def __init__(self, num_blocks: int) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._taken = bytearray(num_blocks)  # 1: allocated
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"allocate takes a block count >= 0, got {n!r}")
         if n > len(self._free):
             raise RuntimeError(f"block allocator exhausted: {n} blocks requested, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            self._taken[b] = 1
+        return out
 
     def free(self, blocks: list[int]) -> None:
+        blocks = list(blocks)
+        seen = set()
+        for b in blocks:
+            if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.num_blocks:
+                raise ValueError(f"free: {b!r} is not a block of this allocator [0, {self.num_blocks})")
+            if not self._taken[b] or b in seen:
+                raise ValueError(f"free: block {b} is not allocated (already free, or listed twice)")
+            seen.add(b)
+        for b in blocks:
+            self._taken[b] = 0
         self._free.extend(reversed(blocks))
 
 

@@ -140,6 +140,28 @@ def test_runtime_argument_errors(model):
         dsv4rt.Runtime(model, backend="aot_eager", graphs=False)
 
 
+def test_block_allocator_refuses_what_would_share_a_block():
+    """The public BlockAllocator hands a block out once until it is freed: freeing a block that is not allocated
+    (out of range, already free, listed twice) is refused before anything changes."""
+    alloc = dsv4rt.BlockAllocator(4)
+    got = alloc.allocate(3)
+    for bad, fragment in (([got[0], got[0]], "not allocated"), ([got[0], 3], "block 3 is not allocated"),
+                          ([4], "4 is not a block of this allocator"), ([-1], "-1 is not a block"),
+                          ([True], "True is not a block"), ([1.0], "1.0 is not a block")):
+        with pytest.raises(ValueError, match=fragment):
+            alloc.free(bad)
+        assert alloc.num_free == 1
+    alloc.free(got[:1])
+    with pytest.raises(ValueError, match=f"block {got[0]} is not allocated"):  # a double free
+        alloc.free(got[:1])
+    assert sorted(alloc.allocate(2)) == sorted([got[0], 3]) and alloc.num_free == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="block count >= 0"):
+            alloc.allocate(bad)
+    with pytest.raises(ValueError, match="num_blocks must be an int >= 0"):
+        dsv4rt.BlockAllocator(-2)
+
+
 def test_runtime_flags_and_log_are_checked(model):
     """compile / graphs take a bool (graphs also None: the device decides) and log a callable, refused at
     construction with the argument's name; greedy_tokens takes step()'s dict."""
