@@ -318,6 +318,7 @@ class Runtime:
         segments, new_blocks = self._validate(batch)  # refusals happen here, before anything is written
         self._allocate(segments, new_blocks)
         pieces: dict[int, list[torch.Tensor]] = {s.handle: [] for s in segments}
+        advanced: set[int] = set()  # requests whose tokens an earlier, completed call of this step processed
         for call in split_segments(segments, self.max_tokens):
             self._landed = False
             try:
@@ -331,19 +332,28 @@ class Runtime:
                     logits = logits[:n]  # a fresh output of the uncaptured forward
             except BaseException as e:
                 # once its inputs have landed the call may have written part of its requests' caches (no rollback):
-                # refuse those requests from now on rather than let them continue on incomplete state; other
-                # requests' caches are untouched (a failure before that, such as a capture on first use, wrote none)
-                if not self._landed:
-                    raise
-                for seg in call:
-                    self._requests[seg.handle].broken = (f"a forward call failed ({type(e).__name__}) after it may "
-                                                         f"have written part of this request's caches")
+                # refuse those requests from now on rather than let them continue on incomplete state. A step split
+                # into several calls has also advanced the requests of its earlier calls, whose logits the caller
+                # never gets: a retry of the step would feed their tokens twice, so they are refused too. Other
+                # requests are untouched (a failure before the inputs land, such as a capture on first use, wrote
+                # nothing of this call's).
+                why = type(e).__name__
+                if self._landed:
+                    for seg in call:
+                        self._requests[seg.handle].broken = (f"a forward call failed ({why}) after it may have "
+                                                             f"written part of this request's caches")
+                for h in advanced:
+                    req = self._requests[h]
+                    if req.broken is None:
+                        req.broken = (f"its step failed ({why}) after an earlier forward call had processed some of "
+                                      f"its tokens (position now {req.pos}; their logits were not returned)")
                 raise
             sizes = [k for _, k in owners]
             for (handle, _), part in zip(owners, logits.split(sizes)):
                 pieces[handle].append(part)
             for seg in call:
                 self._requests[seg.handle].pos += len(seg.tokens)
+                advanced.add(seg.handle)
         if all_logits:
             return {h: torch.cat(p) for h, p in pieces.items()}
         return {h: p[-1] for h, p in pieces.items()}

@@ -359,3 +359,55 @@ def test_a_failed_forward_call_refuses_its_requests_and_spares_the_others(model)
     rt.release(victim)
     fresh = rt.admit()
     assert rt.step({fresh: [1, 2]})[fresh].shape == (1, CFG.vocab_size)
+
+
+@pytest.mark.parametrize("where", ["forward", "before_inputs_land"])
+def test_a_step_split_into_calls_that_fails_refuses_what_it_advanced(model, where, monkeypatch):
+    """A step longer than max_tokens_per_step runs as several forward calls. When a later call fails, the requests
+    an earlier call advanced are refused from then on (their logits were lost: a retry of the step would feed their
+    tokens twice), and so are the failing call's own once its inputs have landed; a request of the failing call
+    whose inputs never landed keeps its position and continues; a request outside the step continues bit for bit."""
+    kw = dict(max_requests=3, max_context=64, max_tokens_per_step=4)
+    other_prefix, other_tail = tokens(5, 1), tokens(4, 2)
+    rt = dsv4rt.Runtime(model, **kw)
+    other, a, b = rt.admit(), rt.admit(), rt.admit()
+    rt.step({other: other_prefix})
+    calls = [0]
+    if where == "forward":
+        fn = rt._fn
+
+        def flaky(*args):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("simulated device fault")
+            return fn(*args)
+        rt._fn = flaky
+    else:
+        from dsv4rt.prepare import StepInputs
+        real = StepInputs.copy_from
+
+        def flaky(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("simulated device fault")
+            return real(*args, **kwargs)
+        monkeypatch.setattr(StepInputs, "copy_from", flaky)
+    with pytest.raises(RuntimeError, match="simulated device fault"):
+        rt.step({a: tokens(4, 3), b: tokens(4, 4)})  # two calls: a's 4 tokens, then b's
+    if where == "forward":
+        rt._fn = fn
+    else:
+        monkeypatch.undo()
+    assert rt.position(a) == 4 and rt.position(b) == 0
+    with pytest.raises(RequestError, match="request 1: its step failed \\(RuntimeError\\) after an earlier forward "
+                                           "call had processed some of its tokens \\(position now 4.*release it"):
+        rt.step({a: [1]})
+    if where == "forward":
+        with pytest.raises(RequestError, match="request 2: a forward call failed.*release it"):
+            rt.step({b: [1]})
+    else:
+        assert rt.step({b: tokens(4, 4)})[b].shape == (1, CFG.vocab_size)  # nothing of b's was written
+    got = continue_other(rt, other, other_tail)
+    torch.testing.assert_close(got, clean_run(model, other_prefix, other_tail, **kw), rtol=0, atol=0)
+    rt.release(a)
+    assert rt.position(rt.admit()) == 0
