@@ -431,6 +431,8 @@ class Runtime:
         except (TypeError, ValueError) as e:
             raise RequestError(str(e)) from None
         seed = _seed_arg(0 if seed is None else seed)
+        if not isinstance(stop_at_eos, bool):
+            raise RequestError(f"stop_at_eos must be a bool, got {type(stop_at_eos).__name__}")
         if not _finite(temperature) or temperature < 0 or not _finite(top_p) or not 0 < top_p <= 1:
             raise RequestError(f"sampling needs a finite temperature >= 0 and 0 < top_p <= 1, got temperature="
                                f"{temperature!r}, top_p={top_p!r}")
@@ -556,12 +558,16 @@ def greedy_tokens(logits: Mapping[int, torch.Tensor]) -> list[int]:
         raise TypeError(f"greedy_tokens takes step()'s {{handle: logits}} dict, got {type(logits).__name__}")
     if not logits:
         return []
-    return torch.cat([lg[-1:] for lg in logits.values()]).argmax(-1).tolist()
+    last = torch.cat([lg[-1:] for lg in logits.values()])
+    if last.dim() != 2 or last.shape[0] != len(logits):  # one check for all: 1-D or empty rows
+        raise TypeError(f"greedy_tokens takes step()'s [rows >= 1, vocab] logits for each request, got shapes "
+                        f"{[tuple(lg.shape) for lg in logits.values()][:4]}")
+    return last.argmax(-1).tolist()
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
     """One token from one row of host logits, temperature > 0 (greedy decoding takes the argmax on the device)."""
-    z = logits.float()
+    z = logits.double()  # float64: a temperature below float32's smallest subnormal must not round to 0 (0 / 0)
     z = (z - z.max()) / temperature  # the largest at 0: no overflow to inf (and NaN) for small temperatures
     if top_k > 0:
         kth = torch.topk(z, min(top_k, z.numel())).values[-1]

@@ -277,6 +277,17 @@ def test_handles_and_contexts_take_integer_types(model):
         rt.admit()
 
 
+def test_generate_samples_at_any_positive_temperature(model):
+    """A temperature below float32's smallest number is still a temperature (the sampling runs in float64; it used
+    to divide 0 by 0 and fail halfway), and stop_at_eos takes a bool only (a truthy string was taken as True)."""
+    rt = dsv4rt.Runtime(model, max_requests=2, max_context=64)
+    greedy = rt.generate([[1, 2, 3]], max_new_tokens=3)
+    assert rt.generate([[1, 2, 3]], max_new_tokens=3, temperature=1e-50, seed=5) == greedy
+    with pytest.raises(RequestError, match="stop_at_eos must be a bool, got str"):
+        rt.generate([[1, 2, 3]], max_new_tokens=3, stop_at_eos="no")
+    assert rt.live == []
+
+
 def test_seeds_are_checked_before_anything_is_taken(model, monkeypatch):
     """admit_synthetic and generate refuse a seed a generator cannot take before a slot or block is taken (a bad
     seed used to leave a half-admitted request holding both); a failure while admit_synthetic fills the caches
@@ -331,6 +342,9 @@ def test_greedy_tokens_picks_each_requests_last_row(model):
     nxt = dsv4rt.greedy_tokens(rt.step({a: first}))
     assert first + nxt == want
     assert dsv4rt.greedy_tokens({}) == []
+    for bad in ({0: torch.tensor([0.1, 0.9]), 1: torch.tensor([0.9, 0.1])}, {0: torch.empty(0, 5)}):
+        with pytest.raises(TypeError, match="greedy_tokens takes step\\(\\)'s \\[rows >= 1, vocab\\] logits"):
+            dsv4rt.greedy_tokens(bad)  # 1-D rows picked one token for all; an empty row picked none
 
 
 def test_a_failed_forward_call_refuses_its_requests_and_spares_the_others(model):
