@@ -183,7 +183,7 @@ class ModelConfig:
             return cls(**d)
         try:
             return _from_dict(d)
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, IndexError, AttributeError) as e:  # a field missing, or of the wrong shape
             what = f"field {e.args[0]!r} is missing" if isinstance(e, KeyError) else f"a field is missing or invalid ({e})"
             raise ValueError(f"ModelConfig.from_hf: {what}") from None
 

@@ -42,6 +42,19 @@ def test_from_hf_round_trips_to_dict_and_names_what_is_missing():
             dsv4rt.ModelConfig.from_hf(x)
 
 
+@pytest.mark.parametrize("key,value", [("eos_token_id", []), ("rope_scaling", [1, 2]), ("compress_rates", [4, 16])])
+def test_from_hf_refuses_fields_of_the_wrong_shape(key, value):
+    """A config.json field of the wrong shape (an empty eos list, a list where a dict belongs) is a ValueError
+    (a CheckpointError naming config.json when it comes from a checkpoint), not an IndexError / AttributeError."""
+    from dsv4rt.checkpoint_writer import official_config
+
+    d = official_config(dsv4rt.ModelConfig.tiny())
+    assert dsv4rt.ModelConfig.from_hf(d) == dsv4rt.ModelConfig.tiny()
+    d[key] = value
+    with pytest.raises(ValueError, match="ModelConfig.from_hf: a field is missing or invalid"):
+        dsv4rt.ModelConfig.from_hf(d)
+
+
 def test_from_hf_keeps_an_eos_id_of_zero():
     from dsv4rt.hf import hf_config_for
 
