@@ -15,12 +15,24 @@ from .config import CSA, HCA, SLIDING, ModelConfig
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _check_counts(args) -> None:
+    """--layers / --experts, when given, are at least 1 (0 used to be taken as "not given")."""
+    for opt in ("layers", "experts"):
+        value = getattr(args, opt, None)
+        if value is not None and value < 1:
+            raise SystemExit(f"--{opt} must be at least 1, got {value}")
+
+
 def _config(args) -> ModelConfig:
+    _check_counts(args)
     cfg = {"tiny": ModelConfig.tiny, "flash": ModelConfig.flash, "pro": ModelConfig.pro}[args.preset]()
-    if getattr(args, "experts", None):
+    if getattr(args, "experts", None) is not None:
         cfg = cfg.replace(n_experts=args.experts, n_active=min(cfg.n_active, args.experts))
-    if getattr(args, "layers", None):
-        cfg = cfg.truncated(args.layers)
+    if getattr(args, "layers", None) is not None:
+        try:
+            cfg = cfg.truncated(args.layers)
+        except ValueError as e:
+            raise SystemExit(f"--layers: {e}") from None
     return cfg
 
 
@@ -46,7 +58,13 @@ def _tokenizer(checkpoint: str):
 def cmd_generate(args) -> int:
     import dsv4rt
 
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        raise SystemExit(f"--device: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA device here")
+    _check_counts(args)
     t0 = time.perf_counter()
     tok = None
     if args.checkpoint:
@@ -67,19 +85,30 @@ def cmd_generate(args) -> int:
         cfg, dtype_name = _config(args), args.dtype or "float32"
         print(f"building a random {args.preset} model ({cfg.num_layers} layers, {cfg.n_experts} experts, "
               f"{dtype_name}) on {device} ...", file=sys.stderr, flush=True)
-        model = dsv4rt.Model.random(cfg, seed=args.seed, dtype=DTYPES[dtype_name], device=device)
+        try:
+            model = dsv4rt.Model.random(cfg, seed=args.seed, dtype=DTYPES[dtype_name], device=device)
+        except (TypeError, ValueError) as e:  # the seed
+            raise SystemExit(f"--seed: {e}") from None
     if tok is not None:
         prompt = tok.encode(args.prompt).ids
         if not prompt or prompt[0] != cfg.bos_token_id:  # DeepSeek prompts start with BOS
             prompt = [cfg.bos_token_id] + prompt
     else:
         prompt = _parse_tokens(args.prompt_ids)
+    if args.max_new_tokens < 0:
+        raise SystemExit(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if len(prompt) + args.max_new_tokens > cfg.max_position:
+        raise SystemExit(f"--max-new-tokens {args.max_new_tokens}: the prompt's {len(prompt)} tokens plus the new "
+                         f"ones exceed the model's max_position {cfg.max_position}")
     rt = dsv4rt.Runtime(model, max_requests=1, max_context=max(len(prompt) + args.max_new_tokens, 1),
                         kv_dtype=args.kv_dtype, compile=args.compile)
     print(f"ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     t1 = time.perf_counter()
-    out = rt.generate([prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                      top_p=args.top_p, seed=args.seed)[0]
+    try:
+        out = rt.generate([prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed)[0]
+    except dsv4rt.RequestError as e:  # a bad prompt or sampling argument, refused before the first step
+        raise SystemExit(f"generate: {e}") from None
     dt = time.perf_counter() - t1
     if tok is not None:
         print(f"prompt: {args.prompt}")
@@ -92,6 +121,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_info(args) -> int:
+    _check_counts(args)
     if args.checkpoint:
         from .checkpoint import CheckpointError, describe
 
@@ -129,6 +159,7 @@ def cmd_info(args) -> int:
 def cmd_bench(args) -> int:
     from . import bench
 
+    _check_counts(args)
     batches, long_contexts = _int_list(args.batches, "--batches"), _int_list(args.long_contexts, "--long-contexts")
     contexts, prefill = _int_list(args.contexts, "--contexts"), _int_list(args.prefill, "--prefill")
     if not (batches or long_contexts or prefill):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -337,3 +338,17 @@ def _yarn_from(d: dict) -> Optional[Yarn]:
         return Yarn(float(d["rope_factor"]), int(d["original_seq_len"]), float(d.get("beta_fast", 32)),
                     float(d.get("beta_slow", 1)))
     return None
+
+
+def seed_value(seed) -> int:
+    """A random seed a torch.Generator takes: any integer type (not bool) in [-2**63, 2**64), else a TypeError or
+    ValueError that names it."""
+    if isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    try:
+        v = operator.index(seed)
+    except TypeError:
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}") from None
+    if not -(1 << 63) <= v < 1 << 64:
+        raise ValueError(f"seed must be in [-2**63, 2**64), got {v}")
+    return v

@@ -18,7 +18,7 @@ from dsv4rt.ops.kv_quant import store_rows
 from dsv4rt.ops.swa import PAD_SLOT
 
 from .cache import BlockAllocator, KVCache
-from .config import BLOCK_TOKENS, CSA, HCA, SLIDING
+from .config import BLOCK_TOKENS, CSA, HCA, SLIDING, seed_value
 from .model import Model, StepTensors
 from .prepare import Segment, StepInputs, bucket_for, buckets_up_to, fill, logit_rows_for, split_segments
 
@@ -513,14 +513,11 @@ def _int_arg(name: str, value, minimum: int) -> int:
 
 
 def _seed_arg(seed) -> int:
-    """A random seed: any integer type (not bool) that a torch.Generator takes, else a RequestError naming it."""
+    """A random seed (config.seed_value), else a RequestError naming it."""
     try:
-        v = _int_arg("seed", seed, -(1 << 63))
+        return seed_value(seed)
     except (TypeError, ValueError) as e:
         raise RequestError(str(e)) from None
-    if v >= 1 << 64:
-        raise RequestError(f"seed must be below 2**64, got {v}")
-    return v
 
 
 def _finite(x) -> bool:

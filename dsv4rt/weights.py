@@ -5,7 +5,7 @@ import re
 
 import torch
 
-from .config import ModelConfig
+from .config import ModelConfig, seed_value
 
 # HF state-dict entries that carry no weights of ours: rotary frequency buffers (recomputed from the
 # config) and the MTP block (out of scope).
@@ -77,6 +77,7 @@ def load_hf_state_dict(cls, cfg: ModelConfig, state_dict: dict, dtype: torch.dty
 
 def init_random(cls, cfg: ModelConfig, seed: int, dtype: torch.dtype, device) -> "torch.nn.Module":
     """Random weights with sane scales (fan-in scaled projections, unit norms, randomised sinks/biases/hash table)."""
+    seed = seed_value(seed)  # before the build: a bad seed costs nothing
     model = _build(cls, cfg, dtype, device)
     gen = torch.Generator(device="cpu").manual_seed(seed)
 

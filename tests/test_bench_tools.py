@@ -95,6 +95,28 @@ def test_bench_cli_refuses_bad_lists_before_any_work(argv, message, capsys):
         main(["bench", *argv])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--layers", "0"], "--layers must be at least 1, got 0"),  # 0 used to run the whole model
+    (["generate", "--experts", "0"], "--experts must be at least 1, got 0"),
+    (["info", "--layers", "0"], "--layers must be at least 1"),
+    (["bench", "--layers", "-2"], "--layers must be at least 1, got -2"),
+    (["generate", "--layers", "99"], "--layers: layers must be in 1..5, got 99"),
+    (["generate", "--seed", str(1 << 70)], "--seed: seed must be in \\[-2\\*\\*63, 2\\*\\*64\\)"),
+    (["generate", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
+    (["generate", "--max-new-tokens", "2000000"], "prompt's 5 tokens plus the new ones exceed the model's "
+                                                   "max_position"),
+    (["generate", "--prompt-ids", "1 99999"], "generate: prompt 0: token id 99999 outside the vocabulary"),
+    (["generate", "--temperature", "-1"], "generate: sampling needs a finite temperature"),
+    (["generate", "--device", "cuda:0" if not torch.cuda.is_available() else "nonsense"], "--device"),
+])
+def test_cli_refuses_bad_arguments_with_a_message(argv, message):
+    """CLI refusals name the option (SystemExit with a message, no traceback), before any model is built where
+    they can."""
+    from dsv4rt.__main__ import main
+    with pytest.raises(SystemExit, match=message):
+        main(argv)
+
+
 def test_run_prefill_prints_one_row_a_chunk(capsys):
     rows = bench.run_prefill("tiny", chunks=(16, 40), kv_dtype="auto", dtype=torch.float32, iters=1, device="cpu")
     assert [c for c, _ in rows] == [16, 40] and all(ms > 0 for _, ms in rows)

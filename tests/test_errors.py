@@ -296,7 +296,7 @@ def test_seeds_are_checked_before_anything_is_taken(model, monkeypatch):
     other = rt.admit()
     free = rt.allocator.num_free
     for seed, fragment in (("x", "seed must be an int, got str"), (1.5, "seed must be an int"),
-                           (True, "seed must be an int"), (1 << 64, "seed must be below 2\\*\\*64")):
+                           (True, "seed must be an int"), (1 << 64, "seed must be in \\[-2\\*\\*63, 2\\*\\*64\\)")):
         with pytest.raises(RequestError, match=fragment):
             rt.admit_synthetic(40, seed=seed)
         with pytest.raises(RequestError, match=fragment):
