@@ -457,7 +457,7 @@ def _layer_count(layers, n: int) -> int:
         if layers.start != 0 or layers.step != 1 or len(layers) == 0:
             raise ValueError(f"layers must be range(k) (the first k blocks), got {layers}")
         layers = len(layers)
-    if not isinstance(layers, int) or not 0 < layers <= n:
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 0 < layers <= n:  # True is not 1 block
         raise ValueError(f"layers must be an int or range in 1..{n} (the checkpoint has {n} blocks), got {layers!r}")
     return layers
 

@@ -6,7 +6,7 @@ import operator
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Optional, Sequence
+from typing import AbstractSet as Set, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -534,11 +534,11 @@ def _token_list(kind: str, tokens, index: int) -> list[int]:
         if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
             raise RequestError(f"{who}: token ids must be a 1-D integer tensor or a sequence of ints")
         return tokens.tolist()
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+    if isinstance(tokens, (str, bytes, Set, Mapping)) or not isinstance(tokens, Iterable):  # sets: no order
         raise RequestError(f"{who}: token ids must be a sequence of ints, got {type(tokens).__name__}")
     out = []
     for t in tokens:
-        if isinstance(t, bool):
+        if isinstance(t, bool) or (isinstance(t, torch.Tensor) and t.dtype == torch.bool):
             raise RequestError(f"{who}: token id {t!r} is not an int")
         try:
             out.append(operator.index(t))

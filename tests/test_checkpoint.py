@@ -335,7 +335,7 @@ def test_layer_slice(official_dir):
         assert all(torch.equal(v, full[k]) for k, v in sd.items())
         assert not any(k.startswith("layers.2.") for k in sd)
     assert logits(part, tokens(8, 3)).shape == (8, CFG.vocab_size)
-    for bad in (range(1, 3), 0, 6):
+    for bad in (range(1, 3), 0, 6, True):
         with pytest.raises(ValueError, match="layers must be"):
             load(official_dir, layers=bad)
 

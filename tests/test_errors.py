@@ -37,6 +37,9 @@ BAD_CALLS = {
     "released handle": (lambda rt, v, o: (rt.release(v), rt.step({o: [3], v: [1]})), UnknownRequest, "released"),
     "double release": (lambda rt, v, o: (rt.release(v), rt.release(v)), UnknownRequest, "released"),
     "empty tokens": (lambda rt, v, o: rt.step({o: [3], v: []}), RequestError, "no new tokens"),
+    "tokens as a set": (lambda rt, v, o: rt.step({o: [3], v: {1, 2}}), RequestError, "sequence of ints, got set"),
+    "bool tensor token": (lambda rt, v, o: rt.step({o: [3], v: [torch.tensor(True)]}), RequestError,
+                          "token id tensor\\(True\\) is not an int"),
     "too many admits": (lambda rt, v, o: rt.admit(), CapacityError, "max_requests"),
     "allocator exhausted": (lambda rt, v, o: rt.step({o: [3], v: list(range(1, 60))}), CapacityError, "exhausted"),
 }
