@@ -340,15 +340,24 @@ def _yarn_from(d: dict) -> Optional[Yarn]:
     return None
 
 
+def int_arg(name: str, value, minimum: int) -> int:
+    """An integer argument (any integer type, not bool) of at least `minimum`, else a TypeError or ValueError that
+    names it."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return v
+
+
 def seed_value(seed) -> int:
     """A random seed a torch.Generator takes: any integer type (not bool) in [-2**63, 2**64), else a TypeError or
     ValueError that names it."""
-    if isinstance(seed, bool):
-        raise TypeError(f"seed must be an int, got {seed!r}")
-    try:
-        v = operator.index(seed)
-    except TypeError:
-        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}") from None
-    if not -(1 << 63) <= v < 1 << 64:
+    v = int_arg("seed", seed, -(1 << 63))
+    if v >= 1 << 64:
         raise ValueError(f"seed must be in [-2**63, 2**64), got {v}")
     return v

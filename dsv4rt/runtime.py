@@ -19,6 +19,7 @@ from dsv4rt.ops.swa import PAD_SLOT
 
 from .cache import BlockAllocator, KVCache
 from .config import BLOCK_TOKENS, CSA, HCA, SLIDING, seed_value
+from .config import int_arg as _int_arg
 from .model import Model, StepTensors
 from .prepare import Segment, StepInputs, bucket_for, buckets_up_to, fill, logit_rows_for, split_segments
 
@@ -496,20 +497,6 @@ def _load_kernels(mode: str, on_gpu: bool, log: Callable[[str], None]) -> dict[s
     if on_gpu and mode == "native" and missing:
         raise RuntimeError(f"kernels='native' but these ops have no CUDA kernel: {', '.join(missing)}")
     return coverage
-
-
-def _int_arg(name: str, value, minimum: int) -> int:
-    """An integer argument (any integer type, not bool) of at least `minimum`, else a TypeError or ValueError that
-    names it."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-    if v < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {v}")
-    return v
 
 
 def _seed_arg(seed) -> int:
