@@ -23,7 +23,7 @@ from torch import nn
 from dsv4rt.ops import kv_quant
 from dsv4rt.ops.kv_quant import QUANT_FP4, QUANT_FP4_SIM, QUANT_FP8, QUANT_FP8_SIM, QUANT_NONE
 
-from .config import BLOCK_TOKENS, CSA, HCA, SLIDING, ModelConfig
+from .config import BLOCK_TOKENS, CSA, HCA, SLIDING, ModelConfig, int_arg
 
 KV_DTYPES = ("auto", "fp8", "fp8_sim")
 
@@ -114,6 +114,9 @@ class KVCache(nn.Module):
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  num_blocks: int | None = None) -> None:
         super().__init__()
+        max_requests, max_context = int_arg("max_requests", max_requests, 1), int_arg("max_context", max_context, 1)
+        if num_blocks is not None:
+            num_blocks = int_arg("num_blocks", num_blocks, 0)
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         if kv_dtype != "auto":

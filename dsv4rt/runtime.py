@@ -129,7 +129,8 @@ class Runtime:
         self._stage_i = 0
         self._step = Step(model, self.cache)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self.kernels = _load_kernels(kernels or os.environ.get("DSV4RT_KERNELS", "auto"), on_gpu, self.log)
+        self.kernels = _load_kernels(os.environ.get("DSV4RT_KERNELS", "auto") if kernels is None else kernels, on_gpu,
+                                     self.log)
         self.graphs = on_gpu if graphs is None else graphs
         if self.graphs and not on_gpu:
             raise ValueError("graphs=True needs a model on a CUDA device")

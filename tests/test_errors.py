@@ -165,6 +165,19 @@ def test_block_allocator_refuses_what_would_share_a_block():
         dsv4rt.BlockAllocator(-2)
 
 
+def test_cache_sizes_and_kernels_mode_are_checked(model):
+    """KVCache (public) refuses sizes a runtime would refuse, naming them; Runtime(kernels="") is a bad mode, not
+    the default."""
+    for kw, fragment in ((dict(max_requests=0), "max_requests must be >= 1"),
+                         (dict(max_context=1.5), "max_context must be an int"),
+                         (dict(num_blocks=-1), "num_blocks must be >= 0")):
+        args = dict(max_requests=2, max_context=64) | kw
+        with pytest.raises((TypeError, ValueError), match=fragment):
+            dsv4rt.KVCache(CFG, args.pop("max_requests"), args.pop("max_context"), **args)
+    with pytest.raises(ValueError, match="kernels must be 'auto', 'native' or 'reference', got ''"):
+        dsv4rt.Runtime(model, kernels="")
+
+
 def test_runtime_flags_and_log_are_checked(model):
     """compile / graphs take a bool (graphs also None: the device decides) and log a callable, refused at
     construction with the argument's name; greedy_tokens takes step()'s dict."""
