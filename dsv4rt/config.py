@@ -244,20 +244,24 @@ def _from_dict(d: dict) -> ModelConfig:
     official = "dim" in d and "n_layers" in d
     g = (lambda hf, off, default=None: d.get(off, d.get(hf, default))) if official else (
         lambda hf, off, default=None: d.get(hf, d.get(off, default)))
-    n = int(g("num_hidden_layers", "n_layers"))
+
+    def gi(hf: str, off: str, default=None) -> int:  # an integer field by its HF or official name
+        return _whole(g(hf, off, default), hf)
+
+    n = gi("num_hidden_layers", "n_layers")
     csa_ratio, hca_ratio = 4, 128
     rates = d.get("compress_rates") or {}
     if rates:
-        csa_ratio = int(rates.get("compressed_sparse_attention", 4))
-        hca_ratio = int(rates.get("heavily_compressed_attention", 128))
+        csa_ratio = _whole(rates.get("compressed_sparse_attention", 4), "compressed_sparse_attention")
+        hca_ratio = _whole(rates.get("heavily_compressed_attention", 128), "heavily_compressed_attention")
     if d.get("layer_types"):
         try:
             types = [_HF_LAYER[t] for t in d["layer_types"][:n]]
         except KeyError as e:
             raise ValueError(f"ModelConfig.layer_types: unknown layer type {e.args[0]!r}") from None
     elif d.get("compress_ratios") is not None:
-        types, hca_ratio = _types_from_ratios([int(r) for r in d["compress_ratios"][:n]], csa_ratio, hca_ratio,
-                                              "heavily_compressed_attention" in rates)
+        ratios = [_whole(r, "compress_ratios") for r in d["compress_ratios"][:n]]
+        types, hca_ratio = _types_from_ratios(ratios, csa_ratio, hca_ratio, "heavily_compressed_attention" in rates)
     else:
         types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
     if d.get("mlp_layer_types"):
@@ -266,15 +270,15 @@ def _from_dict(d: dict) -> ModelConfig:
         except KeyError as e:
             raise ValueError(f"ModelConfig.mlp_types: unknown mlp type {e.args[0]!r}") from None
     else:
-        n_hash = int(g("num_hash_layers", "n_hash_layers", 3))
+        n_hash = gi("num_hash_layers", "n_hash_layers", 3)
         mlp = [HASH_MOE] * min(n, n_hash) + [MOE] * max(0, n - n_hash)
-    head_dim = int(g("head_dim", "head_dim", 512))
+    head_dim = gi("head_dim", "head_dim", 512)
     if "qk_rope_head_dim" in d:
-        rope_dim = int(d["qk_rope_head_dim"])
+        rope_dim = _whole(d["qk_rope_head_dim"], "qk_rope_head_dim")
     elif "rope_head_dim" in d:
-        rope_dim = int(d["rope_head_dim"])
+        rope_dim = _whole(d["rope_head_dim"], "rope_head_dim")
     elif d.get("partial_rotary_factor"):
-        rope_dim = int(head_dim * d["partial_rotary_factor"])
+        rope_dim = _whole(head_dim * d["partial_rotary_factor"], "head_dim * partial_rotary_factor")
     else:
         rope_dim = 64
     yarn = _yarn_from(d)
@@ -287,22 +291,24 @@ def _from_dict(d: dict) -> ModelConfig:
         compress_theta = float(rp["compress"].get("rope_theta", compress_theta))
     eos = d.get("eos_token_id", 1)
     return ModelConfig(
-        vocab_size=int(d["vocab_size"]), hidden_size=int(g("hidden_size", "dim")), num_layers=n,
-        num_heads=int(g("num_attention_heads", "n_heads")), head_dim=head_dim, rope_dim=rope_dim,
-        q_lora_rank=int(d["q_lora_rank"]), o_groups=int(d["o_groups"]), o_lora_rank=int(d["o_lora_rank"]),
-        sliding_window=int(g("sliding_window", "window_size", 128)), layer_types=tuple(types),
-        csa_ratio=csa_ratio, hca_ratio=hca_ratio, index_heads=int(d.get("index_n_heads", 64)),
-        index_head_dim=int(d.get("index_head_dim", 128)), index_topk=int(d.get("index_topk", 512)),
-        n_experts=int(g("n_routed_experts", "n_routed_experts")),
-        n_active=int(g("num_experts_per_tok", "n_activated_experts")), n_shared=int(d.get("n_shared_experts", 1)),
-        moe_inter=int(g("moe_intermediate_size", "moe_inter_dim")), mlp_types=tuple(mlp),
+        vocab_size=gi("vocab_size", "vocab_size"), hidden_size=gi("hidden_size", "dim"), num_layers=n,
+        num_heads=gi("num_attention_heads", "n_heads"), head_dim=head_dim, rope_dim=rope_dim,
+        q_lora_rank=gi("q_lora_rank", "q_lora_rank"), o_groups=gi("o_groups", "o_groups"),
+        o_lora_rank=gi("o_lora_rank", "o_lora_rank"),
+        sliding_window=gi("sliding_window", "window_size", 128), layer_types=tuple(types),
+        csa_ratio=csa_ratio, hca_ratio=hca_ratio, index_heads=gi("index_n_heads", "index_n_heads", 64),
+        index_head_dim=gi("index_head_dim", "index_head_dim", 128), index_topk=gi("index_topk", "index_topk", 512),
+        n_experts=gi("n_routed_experts", "n_routed_experts"),
+        n_active=gi("num_experts_per_tok", "n_activated_experts"),
+        n_shared=gi("n_shared_experts", "n_shared_experts", 1),
+        moe_inter=gi("moe_intermediate_size", "moe_inter_dim"), mlp_types=tuple(mlp),
         routed_scale=float(g("routed_scaling_factor", "route_scale", 1.0)),
         swiglu_limit=float(d.get("swiglu_limit", 10.0)), rope_theta=rope_theta, compress_rope_theta=compress_theta,
-        yarn=yarn, hc_mult=int(d.get("hc_mult", 4)), hc_iters=int(d.get("hc_sinkhorn_iters", 20)),
+        yarn=yarn, hc_mult=gi("hc_mult", "hc_mult", 4), hc_iters=gi("hc_sinkhorn_iters", "hc_sinkhorn_iters", 20),
         hc_eps=float(d.get("hc_eps", 1e-6)), norm_eps=float(g("rms_norm_eps", "norm_eps", 1e-6)),
-        bos_token_id=int(d.get("bos_token_id") or 0),
-        eos_token_id=int(eos[0] if isinstance(eos, list) else (1 if eos is None else eos)),
-        max_position=int(d.get("max_position_embeddings", 1048576)),
+        bos_token_id=_whole(d.get("bos_token_id") or 0, "bos_token_id"),
+        eos_token_id=_whole(eos[0] if isinstance(eos, list) else (1 if eos is None else eos), "eos_token_id"),
+        max_position=gi("max_position_embeddings", "max_position_embeddings", 1048576),
     )
 
 
@@ -332,12 +338,30 @@ def _yarn_from(d: dict) -> Optional[Yarn]:
     if isinstance(rp.get("compress"), dict):
         rp = rp["compress"]
     if rp.get("rope_type", rp.get("type")) == "yarn":
-        return Yarn(float(rp.get("factor", 16.0)), int(rp.get("original_max_position_embeddings", 65536)),
+        return Yarn(float(rp.get("factor", 16.0)),
+                    _whole(rp.get("original_max_position_embeddings", 65536), "original_max_position_embeddings"),
                     float(rp.get("beta_fast") or 32), float(rp.get("beta_slow") or 1))
     if "rope_factor" in d and "original_seq_len" in d:  # official inference config
-        return Yarn(float(d["rope_factor"]), int(d["original_seq_len"]), float(d.get("beta_fast", 32)),
-                    float(d.get("beta_slow", 1)))
+        return Yarn(float(d["rope_factor"]), _whole(d["original_seq_len"], "original_seq_len"),
+                    float(d.get("beta_fast", 32)), float(d.get("beta_slow", 1)))
     return None
+
+
+def _whole(v, key: str = "an integer field") -> int:
+    """An integer field of a config dict: an int, or a float or string holding a whole number (4096.0, "4096"), else
+    a ValueError naming the field (int() would truncate 512.9 to 512)."""
+    if isinstance(v, bool):
+        raise ValueError(f"config: {key} must be an integer, got {v!r}")
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, str):
+        try:
+            return int(v)
+        except ValueError:
+            pass
+    raise ValueError(f"config: {key} must be an integer, got {v!r}")
 
 
 def int_arg(name: str, value, minimum: int) -> int:

@@ -55,6 +55,21 @@ def test_from_hf_refuses_fields_of_the_wrong_shape(key, value):
         dsv4rt.ModelConfig.from_hf(d)
 
 
+def test_from_hf_integer_fields_are_whole_numbers():
+    """Integer fields may come as 4096.0 or "4096" but not as 512.9 (int() would load 512) or "x", and the error
+    names the field."""
+    from dsv4rt.checkpoint_writer import official_config
+
+    tiny = dsv4rt.ModelConfig.tiny()
+    d = official_config(tiny)
+    assert dsv4rt.ModelConfig.from_hf(dict(d, vocab_size=float(tiny.vocab_size), n_layers=str(tiny.num_layers))) == tiny
+    for key, value, name in (("vocab_size", tiny.vocab_size + 0.9, "vocab_size"),
+                             ("n_layers", 3.5, "num_hidden_layers"), ("eos_token_id", "x", "eos_token_id"),
+                             ("index_topk", True, "index_topk")):
+        with pytest.raises(ValueError, match=f"config: {name} must be an integer, got {value!r}"):
+            dsv4rt.ModelConfig.from_hf(dict(d, **{key: value}))
+
+
 def test_from_hf_keeps_an_eos_id_of_zero():
     from dsv4rt.hf import hf_config_for
 
