@@ -10,7 +10,7 @@ import time
 import torch
 
 from .cache import cache_bytes_per_token
-from .config import CSA, HCA, SLIDING, ModelConfig
+from .config import CSA, HCA, SLIDING, ModelConfig, seed_value
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -24,7 +24,6 @@ def _check_counts(args) -> None:
 
 
 def _config(args) -> ModelConfig:
-    _check_counts(args)
     cfg = {"tiny": ModelConfig.tiny, "flash": ModelConfig.flash, "pro": ModelConfig.pro}[args.preset]()
     if getattr(args, "experts", None) is not None:
         cfg = cfg.replace(n_experts=args.experts, n_active=min(cfg.n_active, args.experts))
@@ -65,6 +64,10 @@ def cmd_generate(args) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: no CUDA device here")
     _check_counts(args)
+    try:
+        seed_value(args.seed)
+    except ValueError as e:
+        raise SystemExit(f"--seed: {e}") from None
     t0 = time.perf_counter()
     tok = None
     if args.checkpoint:
@@ -85,10 +88,7 @@ def cmd_generate(args) -> int:
         cfg, dtype_name = _config(args), args.dtype or "float32"
         print(f"building a random {args.preset} model ({cfg.num_layers} layers, {cfg.n_experts} experts, "
               f"{dtype_name}) on {device} ...", file=sys.stderr, flush=True)
-        try:
-            model = dsv4rt.Model.random(cfg, seed=args.seed, dtype=DTYPES[dtype_name], device=device)
-        except (TypeError, ValueError) as e:  # the seed
-            raise SystemExit(f"--seed: {e}") from None
+        model = dsv4rt.Model.random(cfg, seed=args.seed, dtype=DTYPES[dtype_name], device=device)
     if tok is not None:
         prompt = tok.encode(args.prompt).ids
         if not prompt or prompt[0] != cfg.bos_token_id:  # DeepSeek prompts start with BOS

@@ -87,9 +87,10 @@ class Runtime:
                  compile: bool = False, max_tokens_per_step: int | None = None, num_blocks: int | None = None,
                  graphs: Optional[bool] = None, backend: Optional[str | Callable] = None, kernels: Optional[str] = None,
                  log: Optional[Callable[[str], None]] = None) -> None:
-        for name, flag in (("compile", compile), ("graphs", graphs)):
-            if not (isinstance(flag, bool) or (flag is None and name == "graphs")):
-                raise TypeError(f"{name} must be a bool{' or None' if name == 'graphs' else ''}, got {flag!r}")
+        if not isinstance(compile, bool):
+            raise TypeError(f"compile must be a bool, got {compile!r}")
+        if graphs is not None and not isinstance(graphs, bool):
+            raise TypeError(f"graphs must be a bool or None, got {graphs!r}")
         if log is not None and not callable(log):
             raise TypeError(f"log must be a callable taking one str, got {type(log).__name__}")
         max_requests = _int_arg("max_requests", max_requests, 1)
