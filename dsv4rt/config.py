@@ -364,13 +364,19 @@ def _whole(v, key: str = "an integer field") -> int:
     raise ValueError(f"config: {key} must be an integer, got {v!r}")
 
 
+def as_int(value) -> int:
+    """`value` as an int if it is one integer scalar: a Python or numpy integer or a 0-d integer tensor. A bool, and
+    a tensor or array that holds one element in one or more dimensions (torch's __index__ takes `tensor([3])`),
+    raise TypeError as any non-integer does."""
+    if isinstance(value, bool) or getattr(value, "ndim", 0) != 0 or getattr(value, "dtype", None) == torch.bool:
+        raise TypeError(f"not an integer scalar: {type(value).__name__}")
+    return operator.index(value)
+
+
 def int_arg(name: str, value, minimum: int) -> int:
-    """An integer argument (any integer type, not bool) of at least `minimum`, else a TypeError or ValueError that
-    names it."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r}")
+    """An integer argument (as_int) of at least `minimum`, else a TypeError or ValueError that names it."""
     try:
-        v = operator.index(value)
+        v = as_int(value)
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
     if v < minimum:

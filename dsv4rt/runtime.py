@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import operator
 import os
 import sys
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from dsv4rt.ops.kv_quant import store_rows
 from dsv4rt.ops.swa import PAD_SLOT
 
 from .cache import BlockAllocator, KVCache
-from .config import BLOCK_TOKENS, CSA, HCA, SLIDING, seed_value
+from .config import BLOCK_TOKENS, CSA, HCA, SLIDING, as_int, seed_value
 from .config import int_arg as _int_arg
 from .model import Model, StepTensors
 from .prepare import Segment, StepInputs, bucket_for, buckets_up_to, fill, logit_rows_for, split_segments
@@ -181,7 +180,7 @@ class Runtime:
     def release(self, handle: int) -> None:
         """Free the request's slot and blocks."""
         req = self._get(handle)
-        del self._requests[operator.index(handle)]  # the key is an int whatever integer type the handle came as
+        del self._requests[as_int(handle)]  # the key is an int whatever integer type the handle came as
         self.allocator.free(req.blocks)
         self.block_table[req.slot].fill_(self.cache.num_blocks)
         self._bt_dirty.add(req.slot)
@@ -196,12 +195,10 @@ class Runtime:
         return list(self._requests)
 
     def _get(self, handle: int) -> _Request:
-        req = None
-        if not isinstance(handle, bool):
-            try:
-                req = self._requests.get(operator.index(handle))  # any integer type (numpy's too)
-            except TypeError:
-                pass
+        try:
+            req = self._requests.get(as_int(handle))  # any integer scalar type (numpy's too)
+        except TypeError:
+            req = None
         if req is None:
             raise UnknownRequest(f"unknown request handle {handle!r} (never admitted or already released)")
         return req
@@ -216,7 +213,7 @@ class Runtime:
         vocab, blocks_needed = self.cfg.vocab_size, self.cache.blocks_needed
         for handle, tokens in batch.items():
             req = self._get(handle)
-            handle = operator.index(handle)  # an int from here on (the handle may come as another integer type)
+            handle = as_int(handle)  # an int from here on (the handle may come as another integer type)
             if req.broken is not None:
                 raise RequestError(f"request {handle}: {req.broken}; release it")
             if handle in seen:
@@ -527,10 +524,8 @@ def _token_list(kind: str, tokens, index: int) -> list[int]:
         raise RequestError(f"{who}: token ids must be a sequence of ints, got {type(tokens).__name__}")
     out = []
     for t in tokens:
-        if isinstance(t, bool) or (isinstance(t, torch.Tensor) and t.dtype == torch.bool):
-            raise RequestError(f"{who}: token id {t!r} is not an int")
         try:
-            out.append(operator.index(t))
+            out.append(as_int(t))
         except TypeError:
             raise RequestError(f"{who}: token id {t!r} is not an int") from None
     return out

@@ -280,6 +280,14 @@ def test_handles_and_contexts_take_integer_types(model):
         rt.admit_synthetic(True)
     assert rt.live == [h]
     assert rt.position(torch.tensor(h)) == 2
+    for one in (torch.tensor([h]), torch.tensor([[h]]), True):  # one element in a dimension is not a scalar handle
+        with pytest.raises(UnknownRequest, match="unknown request handle"):
+            rt.position(one)
+        with pytest.raises(UnknownRequest, match="unknown request handle"):
+            rt.step({one: [3]})
+    with pytest.raises(RequestError, match=r"token id tensor\(\[3\]\) is not an int"):
+        rt.step({h: [torch.tensor([3])]})
+    assert rt.position(h) == 2
     free = rt.allocator.num_free
     rt.step({h: list(range(1, 31))})  # 32 positions: closed compressor entries hold blocks
     assert rt.allocator.num_free < free
