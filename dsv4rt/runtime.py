@@ -158,6 +158,9 @@ class Runtime:
             self._fn = self._step
         self._requests: dict[int, _Request] = {}
         self._landed = False
+        # decode(): ids clamped into the vocabulary, counted by slot on the device until the host next waits for it
+        self._bad_ids = torch.zeros(max_requests, dtype=torch.int32, device=self.device)
+        self._ids_unchecked = False
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._next_handle = 0
 
@@ -172,6 +175,8 @@ class Runtime:
             raise CapacityError(f"all {self.max_requests} request slots are in use (max_requests={self.max_requests})")
         slot = self._free_slots.pop()
         self.cache.reset_slot(slot)
+        if self._ids_unchecked:
+            self._bad_ids[slot] = 0  # an unread count of the slot's last request (stream-ordered, no wait)
         handle = self._next_handle
         self._next_handle += 1
         self._requests[handle] = _Request(slot)
@@ -209,9 +214,13 @@ class Runtime:
         anything is written."""
         if not isinstance(batch, Mapping) or not batch:
             raise RequestError("step() takes a non-empty dict {handle: [token ids]}")
+        return self._segments(batch.items())
+
+    def _segments(self, items: Iterable[tuple[int, Sequence[int]]]) -> tuple[list[Segment], list[int]]:
+        """_validate's checks over (handle, token ids) pairs (a handle that comes twice is refused)."""
         segments, new_blocks, need_blocks, seen = [], [], 0, set()
         vocab, blocks_needed = self.cfg.vocab_size, self.cache.blocks_needed
-        for handle, tokens in batch.items():
+        for handle, tokens in items:
             req = self._get(handle)
             handle = as_int(handle)  # an int from here on (the handle may come as another integer type)
             if req.broken is not None:
@@ -258,8 +267,10 @@ class Runtime:
             event.synchronize()  # only waits when the host runs two steps ahead of the device
         return self._stages[self._stage_i]
 
-    def _launch(self, call: list[Segment], all_logits: bool) -> tuple[torch.Tensor, list]:
-        """Prepare one forward call and launch it; returns the device logits (no host sync) and row owners."""
+    def _launch(self, call: list[Segment], all_logits: bool,
+                ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list]:
+        """Prepare one forward call and launch it; returns the device logits (no host sync) and row owners. `ids`: the
+        call's token ids on the device, one a segment (decode()); the segments then hold placeholders."""
         stage = self._stage()
         bucket, n_rows, owners, written = fill(stage, call, all_logits, self.max_tokens, self.rows_cap,
                                                self._stage_written[self._stage_i])
@@ -280,6 +291,8 @@ class Runtime:
             self.runner.capture([key])
         self.inputs.copy_from(stage, block_rows=rows)
         self._bt_dirty.clear()
+        if ids is not None:
+            self._device_ids(ids)
         self._landed = True  # from here on the call may write its requests' caches
         if self.device.type == "cuda":
             event = self._stage_events[self._stage_i] or torch.cuda.Event()
@@ -303,26 +316,20 @@ class Runtime:
         torch.cuda.current_stream(rows.device).synchronize()
         return host
 
-    @torch.no_grad()
-    def step(self, batch: Mapping[int, Sequence[int]], all_logits: bool = False,
-             on_device: bool = False) -> dict[int, torch.Tensor]:
-        """Process new tokens for some live requests. Returns {handle: fp32 logits [n, vocab]} on the CPU,
-        n = the request's new tokens (all_logits=True) or 1 (its last position).
-
-        on_device=True returns them on the model's device instead, without waiting for the step: a stream-ordered
-        copy of the returned rows that the caller keeps (later steps do not overwrite it). For a caller that
-        samples on the device: at 64 requests of a Flash model the host copy is 33 MB a step."""
-        for name, flag in (("all_logits", all_logits), ("on_device", on_device)):
-            if not isinstance(flag, bool):
-                raise RequestError(f"{name} must be a bool, got {type(flag).__name__}")
-        segments, new_blocks = self._validate(batch)  # refusals happen here, before anything is written
+    def _run(self, segments: list[Segment], new_blocks: list[int], all_logits: bool, on_device: bool,
+             ids: Optional[torch.Tensor] = None) -> tuple[dict[int, list[torch.Tensor]], list[torch.Tensor]]:
+        """Run validated segments as forward calls of at most max_tokens_per_step tokens; returns each handle's
+        logit pieces in call order, and each call's logit rows (the rows of its segments, in order)."""
         self._allocate(segments, new_blocks)
         pieces: dict[int, list[torch.Tensor]] = {s.handle: [] for s in segments}
+        outs: list[torch.Tensor] = []
         advanced: set[int] = set()  # requests whose tokens an earlier, completed call of this step processed
+        done = 0  # segments of earlier calls (decode(): one token and one id each)
         for call in split_segments(segments, self.max_tokens):
             self._landed = False
             try:
-                logits, owners = self._launch(call, all_logits)
+                logits, owners = self._launch(call, all_logits, None if ids is None else ids[done:done + len(call)])
+                done += len(call)
                 n = sum(k for _, k in owners)
                 if not on_device:
                     logits = self._to_host(logits, n)
@@ -348,15 +355,90 @@ class Runtime:
                         req.broken = (f"its step failed ({why}) after an earlier forward call had processed some of "
                                       f"its tokens (position now {req.pos}; their logits were not returned)")
                 raise
+            outs.append(logits)
             sizes = [k for _, k in owners]
             for (handle, _), part in zip(owners, logits.split(sizes)):
                 pieces[handle].append(part)
             for seg in call:
                 self._requests[seg.handle].pos += len(seg.tokens)
                 advanced.add(seg.handle)
+        if self._ids_unchecked and not on_device:
+            self._check_ids()  # the host has waited for the device: read decode()'s id check now
+        return pieces, outs
+
+    @torch.no_grad()
+    def step(self, batch: Mapping[int, Sequence[int]], all_logits: bool = False,
+             on_device: bool = False) -> dict[int, torch.Tensor]:
+        """Process new tokens for some live requests. Returns {handle: fp32 logits [n, vocab]} on the CPU,
+        n = the request's new tokens (all_logits=True) or 1 (its last position).
+
+        on_device=True returns them on the model's device instead, without waiting for the step: a stream-ordered
+        copy of the returned rows that the caller keeps (later steps do not overwrite it). For a caller that
+        samples on the device: at 64 requests of a Flash model the host copy is 33 MB a step."""
+        for name, flag in (("all_logits", all_logits), ("on_device", on_device)):
+            if not isinstance(flag, bool):
+                raise RequestError(f"{name} must be a bool, got {type(flag).__name__}")
+        segments, new_blocks = self._validate(batch)  # refusals happen here, before anything is written
+        pieces, _ = self._run(segments, new_blocks, all_logits, on_device)
         if all_logits:
             return {h: torch.cat(p) for h, p in pieces.items()}
         return {h: p[-1] for h, p in pieces.items()}
+
+    @torch.no_grad()
+    def decode(self, handles: Sequence[int], ids: torch.Tensor) -> torch.Tensor:
+        """One new token for each request of `handles`, its id taken from the 1-D integer tensor `ids` (the same
+        length) where it lies, normally the model's device: the argmax or a sample of the previous logits. The ids
+        are not read on the host, so a decode loop of `decode` calls never waits for the device. Returns the logits
+        [len(handles), vocab] fp32 on the model's device, row i for handles[i], a copy the caller keeps (as
+        `step(on_device=True)`).
+
+        Positions, context limits and blocks are checked as step() checks them, before anything is written. An id
+        outside the vocabulary cannot be refused up front (it is not read): the step runs on a clamped id, so no
+        cache is touched out of bounds, and the request is refused (RequestError naming the id's problem) from the
+        first call that waits for the device on: step() returning host logits, or synchronize()."""
+        if isinstance(handles, (str, bytes, Set, Mapping)) or not isinstance(handles, Sequence):
+            raise RequestError(f"decode() takes a sequence of handles, got {type(handles).__name__}")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype.is_floating_point \
+                or ids.dtype.is_complex or ids.dtype == torch.bool:
+            what = f"{ids.dtype} tensor of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else \
+                type(ids).__name__
+            raise RequestError(f"decode() takes the ids as a 1-D integer tensor, got {what}")
+        if ids.shape[0] != len(handles) or not handles:
+            raise RequestError(f"decode() takes one id a handle: {len(handles)} handles, {ids.shape[0]} ids")
+        segments, new_blocks = self._segments((h, _ONE_TOKEN) for h in handles)
+        ids = ids.to(self.device, torch.int64, non_blocking=True)
+        _, outs = self._run(segments, new_blocks, False, True, ids)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _device_ids(self, ids: torch.Tensor) -> None:
+        """decode()'s ids into the step inputs, clamped into the vocabulary on the device; a clamped id is counted
+        against its request's slot, for _check_ids to find once the host waits for the device."""
+        n = ids.shape[0]
+        dst = self.inputs.token_ids[:n]
+        torch.clamp(ids, 0, self.cfg.vocab_size - 1, out=dst)
+        self._bad_ids.index_add_(0, self.inputs.req_slot[:n], dst.ne(ids).to(torch.int32))
+        self._ids_unchecked = True
+
+    def _check_ids(self) -> None:
+        """Refuse the requests decode() fed an id outside the vocabulary (reads the device: the caller has waited
+        for it or is about to)."""
+        bad = self._bad_ids.nonzero().flatten().tolist()
+        self._ids_unchecked = False
+        if bad:
+            self._bad_ids.zero_()
+            by_slot = {r.slot: r for r in self._requests.values()}
+            for slot in bad:
+                if slot in by_slot:  # a request released since has taken its count away with it
+                    by_slot[slot].broken = (f"decode() was given a token id outside the vocabulary [0, "
+                                            f"{self.cfg.vocab_size}); it ran on a clamped id")
+
+    def synchronize(self) -> None:
+        """Wait for the device to finish every launched step; after decode() calls, a request given an id outside
+        the vocabulary is refused from here on."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        if self._ids_unchecked:
+            self._check_ids()
 
     # ------------------------------------------------------------------ synthetic fast-forward
     @torch.no_grad()
@@ -460,6 +542,14 @@ class Runtime:
                 live = dict(zip(handles, group))
                 feed = {h: prompts[i] for h, i in live.items()}
                 greedy = temperature == 0
+                if greedy and not stop_at_eos and max_new_tokens > 0:
+                    # every request runs to max_new_tokens: the ids stay on the device, read once at the end
+                    ids = [_last_rows_argmax(self.step(feed, on_device=True))]
+                    for _ in range(max_new_tokens - 1):
+                        ids.append(self.decode(handles, ids[-1]).argmax(-1))
+                    for h, toks in zip(handles, torch.stack(ids, 1).tolist()):
+                        outs[live[h]] = toks
+                    continue
                 for _ in range(max_new_tokens):
                     if not feed:
                         break
@@ -496,6 +586,9 @@ def _load_kernels(mode: str, on_gpu: bool, log: Callable[[str], None]) -> dict[s
     if on_gpu and mode == "native" and missing:
         raise RuntimeError(f"kernels='native' but these ops have no CUDA kernel: {', '.join(missing)}")
     return coverage
+
+
+_ONE_TOKEN = [0]  # decode()'s placeholder: the id comes from the device
 
 
 def _seed_arg(seed) -> int:
@@ -539,11 +632,16 @@ def greedy_tokens(logits: Mapping[int, torch.Tensor]) -> list[int]:
         raise TypeError(f"greedy_tokens takes step()'s {{handle: logits}} dict, got {type(logits).__name__}")
     if not logits:
         return []
+    return _last_rows_argmax(logits).tolist()
+
+
+def _last_rows_argmax(logits: Mapping[int, torch.Tensor]) -> torch.Tensor:
+    """greedy_tokens' pick as a 1-D tensor where the logits are (decode()'s ids)."""
     last = torch.cat([lg[-1:] for lg in logits.values()])
     if last.dim() != 2 or last.shape[0] != len(logits):  # one check for all: 1-D or empty rows
         raise TypeError(f"greedy_tokens takes step()'s [rows >= 1, vocab] logits for each request, got shapes "
                         f"{[tuple(lg.shape) for lg in logits.values()][:4]}")
-    return last.argmax(-1).tolist()
+    return last.argmax(-1)
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:

@@ -40,6 +40,12 @@ BAD_CALLS = {
     "tokens as a set": (lambda rt, v, o: rt.step({o: [3], v: {1, 2}}), RequestError, "sequence of ints, got set"),
     "bool tensor token": (lambda rt, v, o: rt.step({o: [3], v: [torch.tensor(True)]}), RequestError,
                           "token id tensor\\(True\\) is not an int"),
+    "decode unknown handle": (lambda rt, v, o: rt.decode([o, 12345], torch.tensor([3, 1])), UnknownRequest, "12345"),
+    "decode handle twice": (lambda rt, v, o: rt.decode([o, o], torch.tensor([3, 3])), RequestError, "appears twice"),
+    "decode id count": (lambda rt, v, o: rt.decode([o, v], torch.tensor([3])), RequestError, "2 handles, 1 ids"),
+    "decode float ids": (lambda rt, v, o: rt.decode([o], torch.tensor([3.0])), RequestError, "1-D integer tensor"),
+    "decode handle dict": (lambda rt, v, o: rt.decode({o: 3}, torch.tensor([3])), RequestError, "sequence of handles"),
+    "decode exhausted": (lambda rt, v, o: rt.decode([o, v], torch.tensor([3, 1])), CapacityError, "exhausted"),
     "too many admits": (lambda rt, v, o: rt.admit(), CapacityError, "max_requests"),
     "allocator exhausted": (lambda rt, v, o: rt.step({o: [3], v: list(range(1, 60))}), CapacityError, "exhausted"),
 }
@@ -351,6 +357,49 @@ def test_on_device_logits(model):
     assert rt.position(h) == 0
     got = rt.step({h: [1, 2, 3]}, all_logits=True, on_device=True)[h]
     torch.testing.assert_close(got, ref.step({g: [1, 2, 3]}, all_logits=True)[g], rtol=0, atol=0)
+
+
+def test_decode_takes_the_ids_where_they_are(model):
+    """decode(handles, ids) equals step() on the same ids, bit for bit, split into several forward calls or not; an
+    id outside the vocabulary runs clamped (the other requests' logits are those of a clamped id) and refuses its
+    request once the host waits for the device, and a slot it had is clean for the next request."""
+    kw = dict(max_requests=3, max_context=64, max_tokens_per_step=32)
+    ref, rt = (dsv4rt.Runtime(model, **kw) for _ in range(2))
+    split = dsv4rt.Runtime(model, **{**kw, "max_tokens_per_step": 3})  # three requests: one decode call each
+    prompts = [tokens(9, 1), tokens(17, 2), tokens(4, 3)]
+    hs = {name: [r.admit() for _ in prompts] for name, r in (("ref", ref), ("rt", rt), ("split", split))}
+    for name, r in (("ref", ref), ("rt", rt), ("split", split)):
+        r.step(dict(zip(hs[name], prompts)))
+    ids = torch.tensor([5, 6, 7], dtype=torch.int32)
+    for _ in range(6):
+        want = ref.step({h: [t] for h, t in zip(hs["ref"], ids.tolist())})
+        want = torch.cat([want[h] for h in hs["ref"]])
+        torch.testing.assert_close(rt.decode(hs["rt"], ids), want, rtol=0, atol=0)
+        got = split.decode(hs["split"][::-1], ids.flip(0))  # rows follow the handles' order
+        torch.testing.assert_close(got.flip(0), want, rtol=1e-5, atol=1e-5)
+        ids = want.argmax(-1)
+    assert [rt.position(h) for h in hs["rt"]] == [len(p) + 6 for p in prompts]
+
+    a, b, c = hs["rt"]
+    bad = torch.tensor([ids[0], CFG.vocab_size, -3])
+    got = rt.decode([a, b, c], bad)  # b's and c's ids are not read: they run clamped
+    want = ref.step(dict(zip(hs["ref"], ([int(ids[0])], [CFG.vocab_size - 1], [0]))))
+    torch.testing.assert_close(got, torch.cat([want[h] for h in hs["ref"]]), rtol=0, atol=0)
+    rt.release(c)  # released before the host looked: its count goes with it
+    d = rt.admit()  # c's slot
+    rt.synchronize()
+    with pytest.raises(RequestError, match=f"request {b}: decode\\(\\) was given a token id outside the vocabulary"):
+        rt.decode([a, b], torch.tensor([1, 1]))
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        rt.step({b: [1]})
+    ids = ids[[0]]
+    for _ in range(2):  # a and the slot's new request go on
+        want = ref.step({hs["ref"][0]: [int(ids[0])]})[hs["ref"][0]]
+        got = rt.decode([a, d], torch.cat([ids, ids]))
+        torch.testing.assert_close(got[:1], want, rtol=1e-5, atol=1e-5)  # a batch of two against one
+        ids = want.argmax(-1)
+    assert rt.position(d) == 2
+    rt.release(b)
 
 
 def test_greedy_tokens_picks_each_requests_last_row(model):

@@ -137,9 +137,12 @@ class Step(Readable):
     chunks: tuple[tuple[str, int], ...]  # (label, new tokens), in batch order
     last_only: bool = False  # all_logits=False
     bad_token: tuple[str, int] | None = None  # (label, id) replacing that request's last new token
+    decode: bool = False  # one token a request, run by rt.decode(handles, ids) (last_only)
 
     def __repr__(self) -> str:
         body = ", ".join(f"{label}: {n}" for label, n in self.chunks)
+        if self.decode:
+            return f"rt.decode([{', '.join(label for label, _ in self.chunks)}], ids)"
         extra = ", last_only" if self.last_only else ""
         bad = f"  # {self.bad_token[0]}'s last token := {self.bad_token[1]}" if self.bad_token else ""
         return f"rt.step({{{body}}}{extra}){bad}"
@@ -225,6 +228,7 @@ class Choice:
     picks: tuple[int, ...]  # which requests, as indices into the live (or releasable) ones
     sizes: tuple[int, ...]  # new tokens of each picked request
     last_only: bool
+    decode: bool  # a step: one token for each picked request, through rt.decode
     stream: int  # token stream of an admitted request
     fault: str
     extra: int  # tokens past max_context of an overflow
@@ -243,6 +247,8 @@ class Choice:
             return self.to_fault(spec, live, roomy, pick)
         if self.kind == "step" and roomy:
             labels = list(dict.fromkeys(pick(roomy, i) for i in range(len(self.picks))))
+            if self.decode:
+                return Step(tuple((label, 1) for label in labels), last_only=True, decode=True)
             return Step(tuple((label, min(n, spec.room(label))) for label, n in zip(labels, self.sizes)),
                         self.last_only)
         if self.kind == "release" and live:
@@ -279,6 +285,7 @@ CHOICES = st.builds(
     picks=st.lists(st.integers(0, MAX_REQUESTS - 1), min_size=1, max_size=MAX_REQUESTS).map(tuple),
     sizes=st.lists(st.sampled_from(CHUNKS), min_size=MAX_REQUESTS, max_size=MAX_REQUESTS).map(tuple),
     last_only=st.booleans(),
+    decode=st.booleans(),
     stream=st.integers(0, 2 * MAX_REQUESTS - 1),
     fault=st.sampled_from(FAULTS),
     extra=st.integers(1, OVERFLOW),
@@ -331,7 +338,11 @@ class Driver:
             return self.rt.admit()
         if isinstance(op, Release):
             return self.rt.release(self.handles[op.label])
-        return self.rt.step(self.tokens(op), all_logits=not op.last_only)
+        batch = self.tokens(op)
+        if op.decode:
+            logits = self.rt.decode(list(batch), torch.tensor([t for toks in batch.values() for t in toks]))
+            return {h: row[None] for h, row in zip(batch, logits)}
+        return self.rt.step(batch, all_logits=not op.last_only)
 
     def run(self, op) -> None:
         expected = self.spec.refusal(op)
@@ -349,6 +360,8 @@ class Driver:
             self.check_against_alone(op.label)
         if isinstance(op, Step) and {n == 1 for _, n in op.chunks} == {True, False}:
             self.seen.add("decodes and prefill chunks in one step")
+        if isinstance(op, Step) and op.decode:
+            self.seen.add("decode() on a tensor of ids")
         out = self.call(op)
         if isinstance(op, Admit):
             assert op.label == self.spec.next_label()

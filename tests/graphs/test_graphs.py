@@ -99,6 +99,38 @@ def test_thousand_decode_steps_no_recapture_no_alloc_no_sync(model):
     assert rt.runner.replays >= 1000
 
 
+def test_decode_replays_on_device_ids(model):
+    """decode() writes the device's ids into the captured step's inputs: the same graphs as step() and its logits
+    bit for bit, with no host read of the ids; an id outside the vocabulary runs clamped and refuses its request
+    at synchronize()."""
+    kw = dict(max_requests=3, max_context=128, max_tokens_per_step=32, backend=BACKEND)
+    ref, rt = dsv4rt.Runtime(model, **kw), dsv4rt.Runtime(model, **kw)
+    prompts = [tokens(9, 1), tokens(17, 2), tokens(4, 3)]
+    ha, hb = [ref.admit() for _ in prompts], [rt.admit() for _ in prompts]
+    ref.step(dict(zip(ha, prompts)))
+    rt.step(dict(zip(hb, prompts)))
+    n_graphs = len(rt.runner.graphs)
+    ids = torch.tensor([5, 6, 7], device="cuda")
+    for _ in range(8):
+        want = ref.step({h: [t] for h, t in zip(ha, ids.tolist())})
+        got = rt.decode(hb, ids)
+        assert got.device.type == "cuda"
+        torch.testing.assert_close(got.cpu(), torch.cat([want[h] for h in ha]), rtol=0, atol=0)
+        ids = got.argmax(-1)
+    assert len(rt.runner.graphs) == n_graphs  # the bucket-4 graph step() captured, replayed
+    bad = ids.clone()
+    bad[1] = CFG.vocab_size
+    got = rt.decode(hb, bad)
+    want = ref.step({ha[0]: [int(ids[0])], ha[1]: [CFG.vocab_size - 1], ha[2]: [int(ids[2])]})
+    torch.testing.assert_close(got.cpu(), torch.cat([want[h] for h in ha]), rtol=0, atol=0)
+    rt.synchronize()
+    with pytest.raises(dsv4rt.RequestError, match="outside the vocabulary"):
+        rt.decode(hb, ids)
+    got = rt.decode([hb[0], hb[2]], ids[[0, 2]])
+    want = ref.step({ha[0]: [int(ids[0])], ha[2]: [int(ids[2])]})
+    torch.testing.assert_close(got.cpu(), torch.cat([want[ha[0]], want[ha[2]]]), rtol=0, atol=0)
+
+
 def test_on_device_logits_and_greedy_generate(model):
     """step(on_device=True) returns the host path's values on the device, kept across later replays (the replayed
     output's buffer is reused); greedy generate(), which takes the argmax on the device, picks the tokens that the
