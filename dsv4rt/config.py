@@ -16,6 +16,7 @@ LAYER_TYPES = (SLIDING, CSA, HCA)
 HASH_MOE, MOE = "hash", "moe"
 MLP_TYPES = (HASH_MOE, MOE)
 BLOCK_TOKENS = 128  # source tokens per cache block; every compression rate divides it
+MAX_INDEX_TOPK = 32768  # the widest top-k the indexer kernel selects (csrc/indexer.cpp)
 
 _HF_LAYER = {"sliding_attention": SLIDING, "compressed_sparse_attention": CSA, "heavily_compressed_attention": HCA}
 _HF_MLP = {"hash_moe": HASH_MOE, "moe": MOE}
@@ -72,8 +73,8 @@ class ModelConfig:
                      "o_groups", "o_lora_rank", "sliding_window", "csa_ratio", "hca_ratio", "index_heads",
                      "index_head_dim", "index_topk", "n_experts", "n_active", "moe_inter", "hc_mult", "hc_iters"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive int, got {v!r}")
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 < v < 1 << 31:
+                raise ValueError(f"ModelConfig.{name} must be a positive int below 2**31, got {v!r}")
         for name in ("routed_scale", "swiglu_limit", "rope_theta", "compress_rope_theta", "hc_eps", "norm_eps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -82,8 +83,12 @@ class ModelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < self.vocab_size:
                 raise ValueError(f"ModelConfig.{name} must be a token id in [0, vocab_size={self.vocab_size}), got {v!r}")
-        if not isinstance(self.max_position, int) or isinstance(self.max_position, bool) or self.max_position <= 0:
-            raise ValueError(f"ModelConfig.max_position must be a positive int, got {self.max_position!r}")
+        if not isinstance(self.max_position, int) or isinstance(self.max_position, bool) \
+                or not 0 < self.max_position < 1 << 31:
+            raise ValueError(f"ModelConfig.max_position must be a positive int below 2**31, got {self.max_position!r}")
+        if self.index_topk > MAX_INDEX_TOPK:
+            raise ValueError(f"ModelConfig.index_topk must be <= {MAX_INDEX_TOPK} (the indexer kernel's output width), "
+                             f"got {self.index_topk}")
         y = self.yarn
         if y is not None:
             if not isinstance(y, Yarn):
@@ -241,12 +246,25 @@ def _from_dict(d: dict) -> ModelConfig:
     missing = [" or ".join(repr(k) for k in keys) for keys in _REQUIRED if all(d.get(k) is None for k in keys)]
     if missing:
         raise ValueError(f"ModelConfig.from_hf: missing field(s) {', '.join(missing)}")
+    for key, kind in (("compress_rates", dict), ("rope_parameters", dict), ("rope_scaling", dict), ("layer_types", list),
+                      ("mlp_layer_types", list), ("compress_ratios", list)):
+        if d.get(key) is not None and not isinstance(d[key], kind):
+            what = "an object" if kind is dict else "a list"
+            raise ValueError(f"config: {key} must be {what}, got {type(d[key]).__name__} {d[key]!r}")
     official = "dim" in d and "n_layers" in d
     g = (lambda hf, off, default=None: d.get(off, d.get(hf, default))) if official else (
         lambda hf, off, default=None: d.get(hf, d.get(off, default)))
 
     def gi(hf: str, off: str, default=None) -> int:  # an integer field by its HF or official name
         return _whole(g(hf, off, default), hf)
+
+    def gf(hf: str, off: str, default: float) -> float:  # a real field by its HF or official name
+        return _real(g(hf, off, default), hf)
+
+    for hf, off, want in (("scoring_func", "score_func", "sqrtsoftplus"), ("hidden_act", "hidden_act", "silu")):
+        got = g(hf, off, want)
+        if got != want:  # a model the forward does not implement: refused rather than run as DSV4's
+            raise ValueError(f"ModelConfig.from_hf: {hf} {got!r} is not supported (DeepSeek-V4 uses {want!r})")
 
     n = gi("num_hidden_layers", "n_layers")
     csa_ratio, hca_ratio = 4, 128
@@ -271,6 +289,8 @@ def _from_dict(d: dict) -> ModelConfig:
             raise ValueError(f"ModelConfig.mlp_types: unknown mlp type {e.args[0]!r}") from None
     else:
         n_hash = gi("num_hash_layers", "n_hash_layers", 3)
+        if n_hash < 0:
+            raise ValueError(f"config: num_hash_layers must be >= 0, got {n_hash}")
         mlp = [HASH_MOE] * min(n, n_hash) + [MOE] * max(0, n - n_hash)
     head_dim = gi("head_dim", "head_dim", 512)
     if "qk_rope_head_dim" in d:
@@ -280,15 +300,18 @@ def _from_dict(d: dict) -> ModelConfig:
     elif d.get("partial_rotary_factor"):
         rope_dim = _whole(head_dim * d["partial_rotary_factor"], "head_dim * partial_rotary_factor")
     else:
-        rope_dim = 64
+        rope_dim = _whole(head_dim / 8, "head_dim / 8 (the rope dims when none are given, as HF's default 0.125)")
     yarn = _yarn_from(d)
-    rope_theta = float(d.get("rope_theta", 10000.0))
+    rope_theta = _real(d.get("rope_theta", 10000.0), "rope_theta")
     rp = d.get("rope_parameters") or {}
     if isinstance(rp.get("main"), dict):
-        rope_theta = float(rp["main"].get("rope_theta", rope_theta))
-    compress_theta = float(d.get("compress_rope_theta", 160000.0))
+        if rp["main"].get("rope_type", "default") != "default":
+            raise ValueError(f"ModelConfig.from_hf: rope_parameters.main rope_type {rp['main']['rope_type']!r} is not "
+                             "supported (the sliding layers' RoPE is plain)")
+        rope_theta = _real(rp["main"].get("rope_theta", rope_theta), "rope_parameters.main.rope_theta")
+    compress_theta = _real(d.get("compress_rope_theta", 160000.0), "compress_rope_theta")
     if isinstance(rp.get("compress"), dict):
-        compress_theta = float(rp["compress"].get("rope_theta", compress_theta))
+        compress_theta = _real(rp["compress"].get("rope_theta", compress_theta), "rope_parameters.compress.rope_theta")
     eos = d.get("eos_token_id", 1)
     return ModelConfig(
         vocab_size=gi("vocab_size", "vocab_size"), hidden_size=gi("hidden_size", "dim"), num_layers=n,
@@ -302,10 +325,11 @@ def _from_dict(d: dict) -> ModelConfig:
         n_active=gi("num_experts_per_tok", "n_activated_experts"),
         n_shared=gi("n_shared_experts", "n_shared_experts", 1),
         moe_inter=gi("moe_intermediate_size", "moe_inter_dim"), mlp_types=tuple(mlp),
-        routed_scale=float(g("routed_scaling_factor", "route_scale", 1.0)),
-        swiglu_limit=float(d.get("swiglu_limit", 10.0)), rope_theta=rope_theta, compress_rope_theta=compress_theta,
-        yarn=yarn, hc_mult=gi("hc_mult", "hc_mult", 4), hc_iters=gi("hc_sinkhorn_iters", "hc_sinkhorn_iters", 20),
-        hc_eps=float(d.get("hc_eps", 1e-6)), norm_eps=float(g("rms_norm_eps", "norm_eps", 1e-6)),
+        routed_scale=gf("routed_scaling_factor", "route_scale", 1.5),  # HF's default (V4-Flash's)
+        swiglu_limit=gf("swiglu_limit", "swiglu_limit", 10.0), rope_theta=rope_theta,
+        compress_rope_theta=compress_theta, yarn=yarn, hc_mult=gi("hc_mult", "hc_mult", 4),
+        hc_iters=gi("hc_sinkhorn_iters", "hc_sinkhorn_iters", 20), hc_eps=gf("hc_eps", "hc_eps", 1e-6),
+        norm_eps=gf("rms_norm_eps", "norm_eps", 1e-6),
         bos_token_id=_whole(d.get("bos_token_id") or 0, "bos_token_id"),
         eos_token_id=_whole(eos[0] if isinstance(eos, list) else (1 if eos is None else eos), "eos_token_id"),
         max_position=gi("max_position_embeddings", "max_position_embeddings", 1048576),
@@ -337,14 +361,29 @@ def _yarn_from(d: dict) -> Optional[Yarn]:
     rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
     if isinstance(rp.get("compress"), dict):
         rp = rp["compress"]
-    if rp.get("rope_type", rp.get("type")) == "yarn":
-        return Yarn(float(rp.get("factor", 16.0)),
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    if kind == "yarn":
+        return Yarn(_real(rp.get("factor", 16.0), "rope factor"),
                     _whole(rp.get("original_max_position_embeddings", 65536), "original_max_position_embeddings"),
-                    float(rp.get("beta_fast") or 32), float(rp.get("beta_slow") or 1))
+                    _real(rp.get("beta_fast", 32), "beta_fast"), _real(rp.get("beta_slow", 1), "beta_slow"))
+    if kind != "default":  # linear, dynamic, llama3, ...: a RoPE the forward does not compute
+        raise ValueError(f"ModelConfig.from_hf: rope_type {kind!r} is not supported (DeepSeek-V4's compressed layers "
+                         "use yarn, or plain RoPE)")
     if "rope_factor" in d and "original_seq_len" in d:  # official inference config
-        return Yarn(float(d["rope_factor"]), _whole(d["original_seq_len"], "original_seq_len"),
-                    float(d.get("beta_fast", 32)), float(d.get("beta_slow", 1)))
+        return Yarn(_real(d["rope_factor"], "rope_factor"), _whole(d["original_seq_len"], "original_seq_len"),
+                    _real(d.get("beta_fast", 32), "beta_fast"), _real(d.get("beta_slow", 1), "beta_slow"))
     return None
+
+
+def _real(v, key: str) -> float:
+    """A real-valued field of a config dict (an int or float, or a string holding one), else a ValueError naming
+    the field; None is not a default (a key given as null)."""
+    if not isinstance(v, bool):
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            pass
+    raise ValueError(f"config: {key} must be a number, got {v!r}")
 
 
 def _whole(v, key: str = "an integer field") -> int:

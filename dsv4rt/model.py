@@ -349,7 +349,9 @@ class Model(nn.Module):
         file and the tensor. Progress goes to stderr, one line per shard.
         """
         from .checkpoint import load
-        return load(cls, path, layers=layers, dtype=dtype, device=device, progress=progress)
+        from .weights import check_device, check_dtype
+        check_dtype(dtype)  # before a header is read
+        return load(cls, path, layers=layers, dtype=dtype, device=check_device(device), progress=progress)
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,

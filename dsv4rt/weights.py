@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 
@@ -17,13 +18,41 @@ def hf_to_local(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SOURCE_FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)  # what a state dict may hold
+
+
 def check_dtype(dtype: torch.dtype) -> None:
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (torch.float32, torch.bfloat16 or torch.float16), got "
+                        f"{type(dtype).__name__} {dtype!r}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+
+
+def check_device(device) -> torch.device:
+    """The device the weights go to, refused by name when it cannot hold them (None, meta, a CUDA device this
+    process does not have) before anything is built or read."""
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError):
+        raise ValueError(f"device must be a torch.device or a name such as 'cpu' or 'cuda:0', got {device!r}") from None
+    if dev.type == "meta":
+        raise ValueError("device 'meta' holds no weights: give the device the model is to run on")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(dev)!r}: no CUDA device is available to this torch ({torch.__version__})")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(dev)!r}: this process has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
 
 
 def _build(cls, cfg: ModelConfig, dtype: torch.dtype, device) -> "torch.nn.Module":
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg must be a dsv4rt.ModelConfig, got {type(cfg).__name__} (ModelConfig.from_hf reads an "
+                        "HF config, a config.json path or a dict)")
     check_dtype(dtype)
+    device = check_device(device)
     with torch.device("meta"):
         model = cls(cfg, dtype)
     return model.to_empty(device=device).requires_grad_(False)
@@ -48,9 +77,22 @@ def check_loaded(model) -> None:
 
 
 def load_hf_state_dict(cls, cfg: ModelConfig, state_dict: dict, dtype: torch.dtype, device) -> "torch.nn.Module":
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
     model = _build(cls, cfg, dtype, device)
     expected = model.state_dict()
-    given = {hf_to_local(k): v for k, v in state_dict.items() if not _IGNORED.search(k)}
+    given, source = {}, {}
+    for k, v in state_dict.items():
+        if _IGNORED.search(k):
+            continue
+        local = hf_to_local(k)
+        if local in source:  # "model.norm.weight" and "norm.weight": one would silently win
+            raise ValueError(f"state dict tensors {source[local]} and {k} both fill {local}")
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"state dict entry {k} is a {type(v).__name__}, not a torch.Tensor")
+        if v.is_meta:
+            raise ValueError(f"state dict tensor {k} is on the meta device: it holds no values")
+        given[local], source[local] = v, k
     missing = sorted(set(expected) - set(given))
     extra = sorted(set(given) - set(expected))
     bad_shape = sorted(f"{k}: expected {tuple(expected[k].shape)}, got {tuple(given[k].shape)}"
@@ -64,12 +106,27 @@ def load_hf_state_dict(cls, cfg: ModelConfig, state_dict: dict, dtype: torch.dty
         problems.append(f"{len(bad_shape)} mis-shaped tensor(s): {'; '.join(bad_shape[:8])}")
     if problems:
         raise ValueError("state dict does not match the config: " + " | ".join(problems))
+    for k, dst in expected.items():
+        src = given[k]
+        if dst.is_floating_point() and src.dtype not in _SOURCE_FLOATS:
+            hint = (": an FP8/FP4 weight needs its block scale (Model.from_pretrained decodes an official checkpoint "
+                    "folder)") if src.dtype.itemsize == 1 or not src.is_floating_point() else ""
+            raise ValueError(f"state dict tensor {source[k]} has dtype {src.dtype}, expected float32, bfloat16, float16 "
+                             f"or float64{hint}")
+        if not dst.is_floating_point() and (src.is_floating_point() or src.is_complex() or src.dtype == torch.bool):
+            raise ValueError(f"state dict tensor {source[k]} has dtype {src.dtype}, expected an integer dtype")
     with torch.no_grad():
+        finite = []
         for k, dst in expected.items():
-            src = given[k]
-            if src.is_floating_point() != dst.is_floating_point():
-                raise ValueError(f"state dict tensor {k} has dtype {src.dtype}, expected a {dst.dtype}-compatible dtype")
-            dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
+            dst.copy_(given[k].to(device=dst.device, dtype=dst.dtype))
+            if dst.is_floating_point():
+                finite.append((k, torch.isfinite(dst).all()))
+        if finite:  # one read for all: a NaN, or a value past the target dtype's range, is named
+            ok = torch.stack([f for _, f in finite]).tolist()
+            bad = [source[k] for (k, _), good in zip(finite, ok) if not good]
+            if bad:
+                raise ValueError(f"state dict tensor {bad[0]} holds non-finite values in {dtype} (NaN, or past the "
+                                 f"dtype's range)" + (f"; so do {len(bad) - 1} more" if len(bad) > 1 else ""))
         _refresh_buffers(model)
     check_loaded(model)
     return model.eval()

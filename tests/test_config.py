@@ -42,17 +42,51 @@ def test_from_hf_round_trips_to_dict_and_names_what_is_missing():
             dsv4rt.ModelConfig.from_hf(x)
 
 
-@pytest.mark.parametrize("key,value", [("eos_token_id", []), ("rope_scaling", [1, 2]), ("compress_rates", [4, 16])])
-def test_from_hf_refuses_fields_of_the_wrong_shape(key, value):
+@pytest.mark.parametrize("key,value,fragment", [
+    ("eos_token_id", [], "ModelConfig.from_hf: a field is missing or invalid"),
+    ("rope_scaling", [1, 2], "config: rope_scaling must be an object, got list"),
+    ("compress_rates", [4, 16], "config: compress_rates must be an object, got list"),
+    ("compress_ratios", 4, "config: compress_ratios must be a list, got int 4"),
+    ("rope_scaling", "yarn", "config: rope_scaling must be an object, got str"),
+])
+def test_from_hf_refuses_fields_of_the_wrong_shape(key, value, fragment):
     """A config.json field of the wrong shape (an empty eos list, a list where a dict belongs) is a ValueError
-    (a CheckpointError naming config.json when it comes from a checkpoint), not an IndexError / AttributeError."""
+    naming the field where it can (a CheckpointError naming config.json when it comes from a checkpoint), not an
+    IndexError / AttributeError."""
     from dsv4rt.checkpoint_writer import official_config
 
     d = official_config(dsv4rt.ModelConfig.tiny())
     assert dsv4rt.ModelConfig.from_hf(d) == dsv4rt.ModelConfig.tiny()
     d[key] = value
-    with pytest.raises(ValueError, match="ModelConfig.from_hf: a field is missing or invalid"):
+    with pytest.raises(ValueError, match=fragment):
         dsv4rt.ModelConfig.from_hf(d)
+
+
+def test_from_hf_refuses_what_the_forward_does_not_compute():
+    """A scoring function, activation or RoPE type other than DSV4's had been ignored (the model ran as DSV4 under
+    another config's name); real fields name themselves; an absent routed scale or rope width takes HF's default
+    (1.5, head_dim / 8), not 1.0 and 64; sizes past what the kernels index are refused."""
+    from dsv4rt.hf import hf_config_for
+
+    tiny = dsv4rt.ModelConfig.tiny()
+    d = hf_config_for(tiny).to_dict()
+    assert dsv4rt.ModelConfig.from_hf(d) == tiny
+    for key, value, fragment in (("scoring_func", "sigmoid", "scoring_func 'sigmoid' is not supported"),
+                                 ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
+                                 ("rope_parameters", {"rope_type": "linear", "factor": 2.0},
+                                  "rope_type 'linear' is not supported"),
+                                 ("rope_theta", "abc", "config: rope_theta must be a number, got 'abc'"),
+                                 ("swiglu_limit", None, "config: swiglu_limit must be a number, got None"),
+                                 ("num_hash_layers", -1, "num_hash_layers must be >= 0, got -1")):
+        with pytest.raises(ValueError, match=fragment):
+            dsv4rt.ModelConfig.from_hf(dict(d, **{key: value}, mlp_layer_types=None))
+    bare = {k: v for k, v in d.items() if k not in ("routed_scaling_factor", "qk_rope_head_dim",
+                                                    "partial_rotary_factor", "rope_parameters")}
+    got = dsv4rt.ModelConfig.from_hf(dict(bare, head_dim=256, rope_parameters={"rope_type": "yarn", "beta_fast": 0}))
+    assert (got.routed_scale, got.rope_dim, got.yarn.beta_fast) == (1.5, 32, 0.0)  # beta_fast 0 had become 32
+    for field, value in (("vocab_size", 1 << 62), ("index_topk", 1 << 20), ("max_position", 1 << 40)):
+        with pytest.raises(ValueError, match=f"ModelConfig.{field} must be"):
+            tiny.replace(**{field: value})
 
 
 def test_from_hf_integer_fields_are_whole_numbers():

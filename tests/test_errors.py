@@ -87,6 +87,49 @@ def test_state_dict_errors(model):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.items())
 
 
+def test_state_dict_values_are_checked(model):
+    """Values that would make a wrong model without a word: two names for one tensor (the last had won), an FP8
+    tensor without its scale (loaded 1024x too large), NaN or a value past the target dtype's range, a non-tensor."""
+    sd = {("model." + k if k != "lm_head.weight" else k): v for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="model.norm.weight and norm.weight both fill norm.weight"):
+        dsv4rt.Model.from_hf_state_dict(CFG, dict(sd, **{"norm.weight": torch.zeros(CFG.hidden_size)}))
+    kv = "model.layers.1.self_attn.kv_proj.weight"
+    with pytest.raises(ValueError, match=f"{kv} has dtype torch.float8_e4m3fn.*needs its block scale"):
+        dsv4rt.Model.from_hf_state_dict(CFG, dict(sd, **{kv: sd[kv].to(torch.float8_e4m3fn)}))
+    tid = next(k for k in sd if k.endswith("tid2eid"))
+    with pytest.raises(ValueError, match=f"{tid} has dtype torch.float32, expected an integer dtype"):
+        dsv4rt.Model.from_hf_state_dict(CFG, dict(sd, **{tid: sd[tid].float()}))
+    nan = sd[kv].clone()
+    nan[3, 4] = float("nan")
+    with pytest.raises(ValueError, match=f"{kv} holds non-finite values"):
+        dsv4rt.Model.from_hf_state_dict(CFG, dict(sd, **{kv: nan}))
+    big = "model.embed_tokens.weight"  # finite in float32, inf in float16
+    with pytest.raises(ValueError, match=f"{big} holds non-finite values in torch.float16"):
+        dsv4rt.Model.from_hf_state_dict(CFG, dict(sd, **{big: sd[big] * 1e6}), dtype=torch.float16)
+    with pytest.raises(TypeError, match=f"state dict entry {big} is a list"):
+        dsv4rt.Model.from_hf_state_dict(CFG, dict(sd, **{big: sd[big].tolist()}))
+    with pytest.raises(TypeError, match="state_dict must be a mapping"):
+        dsv4rt.Model.from_hf_state_dict(CFG, list(sd.items()))
+
+
+def test_model_targets_are_checked():
+    """dtype and device are checked by type and by what they can hold, before anything is built or read: device=None
+    had built a model on the meta device whose steps returned meta logits."""
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype .* got str 'float32'"):
+        dsv4rt.Model.random(CFG, dtype="float32")
+    for device, fragment in ((None, "device must be a torch.device"), ("meta", "'meta' holds no weights"),
+                             ("nowhere", "device must be a torch.device")):
+        with pytest.raises(ValueError, match=fragment):
+            dsv4rt.Model.random(CFG, device=device)
+        with pytest.raises(ValueError, match=fragment):  # before the folder is looked at
+            dsv4rt.Model.from_pretrained("/nonexistent/checkpoint", device=device)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="'cuda': no CUDA device is available"):
+            dsv4rt.Model.random(CFG, device="cuda")
+    with pytest.raises(TypeError, match="cfg must be a dsv4rt.ModelConfig, got dict"):
+        dsv4rt.Model.random({"vocab_size": 512})
+
+
 def test_hash_table_outside_the_experts_is_refused_at_load(model):
     """A hash layer's tid2eid naming an expert outside [0, n_experts) is refused by the loader, naming the tensor:
     a step would otherwise fail halfway, after writing other requests' caches."""
@@ -139,7 +182,7 @@ def test_runtime_argument_errors(model):
                      (dict(num_blocks=2.5), "num_blocks"), (dict(max_tokens_per_step=3.5), "max_tokens_per_step")):
         with pytest.raises(TypeError, match=f"{name} must be an int"):
             dsv4rt.Runtime(model, **kw)
-    with pytest.raises(ValueError, match="dtype must be float32, bfloat16 or float16"):
+    with pytest.raises(ValueError, match="dtype must be torch.float32, torch.bfloat16 or torch.float16"):
         dsv4rt.Model.random(CFG, dtype=torch.int64)
     with pytest.raises(ValueError, match="fp8 KV layout"):
         dsv4rt.Runtime(dsv4rt.Model.random(CFG.replace(head_dim=96, rope_dim=64)), kv_dtype="fp8")
