@@ -280,7 +280,7 @@ def _from_dict(d: dict) -> ModelConfig:
     elif d.get("compress_ratios") is not None:
         ratios = [_whole(r, "compress_ratios") for r in d["compress_ratios"][:n]]
         types, hca_ratio = _types_from_ratios(ratios, csa_ratio, hca_ratio, "heavily_compressed_attention" in rates)
-    else:
+    else:  # transformers' default when a config names no schedule: HHH CHCH..., V4-Pro's shifted by one layer
         types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
     if d.get("mlp_layer_types"):
         try:
