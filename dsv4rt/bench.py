@@ -241,10 +241,13 @@ def hf_decode_ms(model: Model, batch: int, context: int, iters: int = 5) -> Opti
 
 def preset_config(preset: str, layers: Optional[int] = None, experts: Optional[int] = None) -> ModelConfig:
     """A preset's config, `experts` routed experts a layer and only the first `layers` blocks when given."""
-    cfg = {"tiny": ModelConfig.tiny, "flash": ModelConfig.flash, "pro": ModelConfig.pro}[preset]()
-    if experts:
+    presets = {"tiny": ModelConfig.tiny, "flash": ModelConfig.flash, "pro": ModelConfig.pro}
+    if preset not in presets:
+        raise ValueError(f"preset must be one of {', '.join(presets)}, got {preset!r}")
+    cfg = presets[preset]()
+    if experts is not None:  # 0 is refused by the config, not read as "all"
         cfg = cfg.replace(n_experts=experts, n_active=min(cfg.n_active, experts))
-    return cfg.truncated(layers) if layers else cfg
+    return cfg.truncated(layers) if layers is not None else cfg
 
 
 def active_weight_params(model: Model) -> int:

@@ -23,7 +23,7 @@ from torch import nn
 from dsv4rt.ops import kv_quant
 from dsv4rt.ops.kv_quant import QUANT_FP4, QUANT_FP4_SIM, QUANT_FP8, QUANT_FP8_SIM, QUANT_NONE
 
-from .config import BLOCK_TOKENS, CSA, HCA, SLIDING, ModelConfig, int_arg
+from .config import BLOCK_TOKENS, CSA, HCA, SLIDING, ModelConfig, as_int, int_arg
 
 KV_DTYPES = ("auto", "fp8", "fp8_sim")
 
@@ -34,8 +34,7 @@ class BlockAllocator:
     refused before anything changes, since two requests sharing a block would overwrite each other's entries."""
 
     def __init__(self, num_blocks: int) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        num_blocks = _count("num_blocks must be an int >= 0", num_blocks)
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
         self._taken = bytearray(num_blocks)  # 1: allocated
@@ -45,8 +44,7 @@ class BlockAllocator:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"allocate takes a block count >= 0, got {n!r}")
+        n = _count("allocate takes a block count >= 0", n)
         if n > len(self._free):
             raise RuntimeError(f"block allocator exhausted: {n} blocks requested, {len(self._free)} free")
         out = [self._free.pop() for _ in range(n)]
@@ -55,17 +53,36 @@ class BlockAllocator:
         return out
 
     def free(self, blocks: list[int]) -> None:
-        blocks = list(blocks)
+        blocks = [_block(b, self.num_blocks) for b in blocks]
         seen = set()
         for b in blocks:
-            if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.num_blocks:
-                raise ValueError(f"free: {b!r} is not a block of this allocator [0, {self.num_blocks})")
             if not self._taken[b] or b in seen:
                 raise ValueError(f"free: block {b} is not allocated (already free, or listed twice)")
             seen.add(b)
         for b in blocks:
             self._taken[b] = 0
         self._free.extend(reversed(blocks))
+
+
+def _count(what: str, n) -> int:
+    """A non-negative integer (any integer scalar type, config.as_int), else a ValueError starting with `what`."""
+    try:
+        v = as_int(n)
+    except TypeError:
+        v = -1
+    if v < 0:
+        raise ValueError(f"{what}, got {n!r}")
+    return v
+
+
+def _block(b, num_blocks: int) -> int:
+    try:
+        v = as_int(b)
+    except TypeError:
+        v = -1
+    if not 0 <= v < num_blocks:
+        raise ValueError(f"free: {b!r} is not a block of this allocator [0, {num_blocks})")
+    return v
 
 
 class LayerCache(nn.Module):
@@ -137,7 +154,11 @@ class KVCache(nn.Module):
         )
 
     def reset_slot(self, slot: int) -> None:
-        """Zero a request slot's ring and compressor state (entries are addressed by blocks, not reset)."""
+        """Zero a request slot's ring and compressor state (entries are addressed by blocks, not reset). `slot` is
+        in [0, max_requests]: the last is the spare slot padding writes to (a negative index would zero another)."""
+        slot = int_arg("slot", slot, 0)
+        if slot > self.max_requests:
+            raise ValueError(f"slot must be <= max_requests ({self.max_requests}), got {slot}")
         for layer in self.layers:
             for buf in layer.per_slot():
                 buf[slot].zero_()

@@ -133,6 +133,8 @@ def fill(host: StepInputs, segments: list[Segment], all_logits: bool, max_tokens
 
 def split_segments(batch: list[Segment], max_tokens: int) -> list[list[Segment]]:
     """Pack the step's segments into forward calls of at most max_tokens tokens, splitting long prompts."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if sum(len(seg.tokens) for seg in batch) <= max_tokens:  # one call (every decode step up to max_tokens)
         return [batch] if batch else []
     calls: list[list[Segment]] = [[]]

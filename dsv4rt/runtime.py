@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import sys
 from dataclasses import dataclass, field
@@ -98,6 +99,8 @@ class Runtime:
             max_tokens_per_step = _int_arg("max_tokens_per_step", max_tokens_per_step, 1)
         if num_blocks is not None:
             num_blocks = _int_arg("num_blocks", num_blocks, 0)
+        if backend is not None and not (isinstance(backend, str) or callable(backend)):
+            raise TypeError(f"backend must be a torch.compile backend name or callable, got {_type_name(backend)}")
         if backend is not None and not (compile or (model.device.type == "cuda" if graphs is None else graphs)):
             raise ValueError(f"backend={getattr(backend, '__name__', backend)!r} is used only with compile=True or "
                              "graphs=True; this runtime runs the step eagerly (graphs default to off on the CPU)")
@@ -106,9 +109,14 @@ class Runtime:
         self.model, self.cfg = model, model.cfg
         self.device = model.device
         self.max_requests, self.max_context = max_requests, max_context
-        self.max_tokens = max_tokens_per_step or min(max(BLOCK_TOKENS, max_requests), 1 << (max_context - 1).bit_length())
+        # default: a block's worth of tokens (or one a request), no more than the bucket a request's context fills
+        default = max(max_requests, min(BLOCK_TOKENS, 1 << (max_context - 1).bit_length()))
+        self.max_tokens = max_tokens_per_step or default
         if self.max_tokens < max_requests:
             raise ValueError(f"max_tokens_per_step ({self.max_tokens}) must be >= max_requests ({max_requests})")
+        if self.max_tokens > max(default, max_requests * max_context):
+            raise ValueError(f"max_tokens_per_step ({self.max_tokens}) must be <= max_requests * max_context "
+                             f"({max_requests * max_context}): a step holds no more tokens")
         self.cache = KVCache(self.cfg, max_requests, max_context, kv_dtype, model.dtype, self.device, num_blocks)
         self.kv_dtype = kv_dtype
         self.allocator = BlockAllocator(self.cache.num_blocks)
@@ -362,8 +370,6 @@ class Runtime:
             for seg in call:
                 self._requests[seg.handle].pos += len(seg.tokens)
                 advanced.add(seg.handle)
-        if self._ids_unchecked and not on_device:
-            self._check_ids()  # the host has waited for the device: read decode()'s id check now
         return pieces, outs
 
     @torch.no_grad()
@@ -377,8 +383,14 @@ class Runtime:
         samples on the device: at 64 requests of a Flash model the host copy is 33 MB a step."""
         for name, flag in (("all_logits", all_logits), ("on_device", on_device)):
             if not isinstance(flag, bool):
-                raise RequestError(f"{name} must be a bool, got {type(flag).__name__}")
+                raise RequestError(f"{name} must be a bool, got {_type_name(flag)}")
         segments, new_blocks = self._validate(batch)  # refusals happen here, before anything is written
+        if self._ids_unchecked and not on_device:
+            self.synchronize()  # this call waits for the device anyway: a bad decode() id refuses its request now
+            for seg in segments:
+                req = self._requests[seg.handle]
+                if req.broken is not None:
+                    raise RequestError(f"request {seg.handle}: {req.broken}; release it")
         pieces, _ = self._run(segments, new_blocks, all_logits, on_device)
         if all_logits:
             return {h: torch.cat(p) for h, p in pieces.items()}
@@ -504,7 +516,7 @@ class Runtime:
 
         Everything is checked before the first step (prompts, lengths against max_context, sampling arguments); the
         prompts run in groups as large as the free request slots, each group's slots released at the end."""
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
+        if isinstance(prompts, (str, bytes, Set, Mapping)) or not isinstance(prompts, Iterable):  # sets: no order
             raise RequestError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
         prompts = [_token_list("prompt", p, i) for i, p in enumerate(prompts)]
         try:
@@ -514,60 +526,82 @@ class Runtime:
             raise RequestError(str(e)) from None
         seed = _seed_arg(0 if seed is None else seed)
         if not isinstance(stop_at_eos, bool):
-            raise RequestError(f"stop_at_eos must be a bool, got {type(stop_at_eos).__name__}")
-        if not _finite(temperature) or temperature < 0 or not _finite(top_p) or not 0 < top_p <= 1:
-            raise RequestError(f"sampling needs a finite temperature >= 0 and 0 < top_p <= 1, got temperature="
+            raise RequestError(f"stop_at_eos must be a bool, got {_type_name(stop_at_eos)}")
+        temperature, top_p = _real_arg("temperature", temperature), _real_arg("top_p", top_p)
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise RequestError(f"sampling needs a temperature >= 0 and 0 < top_p <= 1, got temperature="
                                f"{temperature!r}, top_p={top_p!r}")
-        if max_new_tokens > 0:
-            for i, p in enumerate(prompts):
-                if not p:
-                    raise RequestError(f"prompt {i} is empty")
-                bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
-                if bad:
-                    raise RequestError(f"prompt {i}: token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
-                if len(p) + max_new_tokens - 1 > self.max_context:
-                    raise RequestError(f"prompt {i}: {len(p)} tokens + {max_new_tokens} new exceed max_context="
-                                       f"{self.max_context} (at most {self.max_context - len(p) + 1} new tokens)")
-            if prompts and not self._free_slots:
-                raise CapacityError(f"generate needs a free request slot: all {self.max_requests} are in use")
-        gen = torch.Generator().manual_seed(seed)
+        needs = []  # cache blocks each prompt holds at its last step
+        for i, p in enumerate(prompts):
+            if not p:
+                raise RequestError(f"prompt {i} is empty")
+            bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise RequestError(f"prompt {i}: token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
+            if len(p) + max_new_tokens - 1 > self.max_context:
+                raise RequestError(f"prompt {i}: {len(p)} tokens + {max_new_tokens} new exceed max_context="
+                                   f"{self.max_context} (at most {self.max_context - len(p) + 1} new tokens)")
+            needs.append(self.cache.blocks_needed(len(p) + max_new_tokens - 1))
+        if max_new_tokens == 0 or not prompts:
+            return [[] for _ in prompts]
+        if not self._free_slots:
+            raise CapacityError(f"generate needs a free request slot: all {self.max_requests} are in use")
+        free = self.allocator.num_free  # each group gives its blocks back: every group starts with these
+        if max(needs) > free:
+            i = needs.index(max(needs))
+            raise CapacityError(f"prompt {i} needs {needs[i]} cache blocks by its last token; {free} of the "
+                                f"{self.allocator.num_blocks} are free")
+        # sampling: a generator a prompt, so a prompt's tokens do not depend on the prompts or requests beside it
+        gens = [torch.Generator().manual_seed((seed + i * 0x9E3779B97F4A7C15) % (1 << 64)) for i in range(len(prompts))
+                ] if temperature > 0 else []
         outs: list[list[int]] = [[] for _ in prompts]
-        width = max(len(self._free_slots), 1)
-        for i0 in range(0, len(prompts), width):
-            group = list(range(i0, min(i0 + width, len(prompts))))
-            handles = []
-            try:
-                for _ in group:
-                    handles.append(self.admit())
-                live = dict(zip(handles, group))
-                feed = {h: prompts[i] for h, i in live.items()}
-                greedy = temperature == 0
-                if greedy and not stop_at_eos and max_new_tokens > 0:
-                    # every request runs to max_new_tokens: the ids stay on the device, read once at the end
-                    ids = [_last_rows_argmax(self.step(feed, on_device=True))]
-                    for _ in range(max_new_tokens - 1):
-                        ids.append(self.decode(handles, ids[-1]).argmax(-1))
-                    for h, toks in zip(handles, torch.stack(ids, 1).tolist()):
-                        outs[live[h]] = toks
-                    continue
-                for _ in range(max_new_tokens):
-                    if not feed:
-                        break
-                    logits = self.step(feed, on_device=greedy)
-                    if greedy:
-                        picked = greedy_tokens(logits)
-                    else:
-                        picked = [_sample(lg[-1], temperature, top_k, top_p, gen) for lg in logits.values()]
-                    feed = {}
-                    for h, tok in zip(logits, picked):
-                        outs[live[h]].append(tok)
-                        done = stop_at_eos and tok == self.cfg.eos_token_id
-                        if not done and len(outs[live[h]]) < max_new_tokens:
-                            feed[h] = [tok]
-            finally:
-                for h in handles:
-                    self.release(h)
+        i0 = 0
+        while i0 < len(prompts):
+            group, held = [], 0  # as many prompts as the free slots and blocks hold
+            while i0 + len(group) < len(prompts) and len(group) < len(self._free_slots) \
+                    and held + needs[i0 + len(group)] <= free:
+                held += needs[i0 + len(group)]
+                group.append(i0 + len(group))
+            i0 += len(group)
+            self._generate_group(prompts, group, outs, max_new_tokens, temperature, top_k, top_p, gens, stop_at_eos)
         return outs
+
+    def _generate_group(self, prompts: list[list[int]], group: list[int], outs: list[list[int]], max_new_tokens: int,
+                        temperature: float, top_k: int, top_p: float, gens: list[torch.Generator],
+                        stop_at_eos: bool) -> None:
+        """generate() for the prompts of `group`, run together; their new tokens go to `outs`."""
+        handles = []
+        try:
+            for _ in group:
+                handles.append(self.admit())
+            live = dict(zip(handles, group))
+            feed = {h: prompts[i] for h, i in live.items()}
+            greedy = temperature == 0
+            if greedy and not stop_at_eos:
+                # every request runs to max_new_tokens: the ids stay on the device, read once at the end
+                ids = [_last_rows_argmax(self.step(feed, on_device=True))]
+                for _ in range(max_new_tokens - 1):
+                    ids.append(self.decode(handles, ids[-1]).argmax(-1))
+                for h, toks in zip(handles, torch.stack(ids, 1).tolist()):
+                    outs[live[h]] = toks
+                return
+            for _ in range(max_new_tokens):
+                if not feed:
+                    break
+                logits = self.step(feed, on_device=greedy)
+                if greedy:
+                    picked = greedy_tokens(logits)
+                else:
+                    picked = [_sample(lg[-1], temperature, top_k, top_p, gens[live[h]]) for h, lg in logits.items()]
+                feed = {}
+                for h, tok in zip(logits, picked):
+                    outs[live[h]].append(tok)
+                    done = stop_at_eos and tok == self.cfg.eos_token_id
+                    if not done and len(outs[live[h]]) < max_new_tokens:
+                        feed[h] = [tok]
+        finally:
+            for h in handles:
+                self.release(h)
 
 
 def _load_kernels(mode: str, on_gpu: bool, log: Callable[[str], None]) -> dict[str, str]:
@@ -599,8 +633,25 @@ def _seed_arg(seed) -> int:
         raise RequestError(str(e)) from None
 
 
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+def _real_arg(name: str, x) -> float:
+    """A finite real argument (an int or float of any real type, numpy's too; not a bool) as a float, else a
+    RequestError naming it."""
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        try:
+            v = float(x)
+        except OverflowError:  # an int past float's range
+            v = math.inf
+        if math.isfinite(v):
+            return v
+        shown = repr(x) if len(repr(x)) <= 40 else repr(x)[:37] + "..."
+        raise RequestError(f"{name} must be finite, got {shown}")
+    raise RequestError(f"{name} must be a real number, got {_type_name(x)} {x!r}")
+
+
+def _type_name(x) -> str:
+    """x's type, qualified by its module unless builtin (numpy's bool is also called `bool`)."""
+    t = type(x)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
 def _token_list(kind: str, tokens, index: int) -> list[int]:
@@ -610,7 +661,7 @@ def _token_list(kind: str, tokens, index: int) -> list[int]:
         return list(tokens)
     who = f"{kind} {index}"
     if isinstance(tokens, torch.Tensor):
-        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise RequestError(f"{who}: token ids must be a 1-D integer tensor or a sequence of ints")
         return tokens.tolist()
     if isinstance(tokens, (str, bytes, Set, Mapping)) or not isinstance(tokens, Iterable):  # sets: no order

@@ -106,7 +106,7 @@ def test_bench_cli_refuses_bad_lists_before_any_work(argv, message, capsys):
     (["generate", "--max-new-tokens", "2000000"], "prompt's 5 tokens plus the new ones exceed the model's "
                                                    "max_position"),
     (["generate", "--prompt-ids", "1 99999"], "generate: prompt 0: token id 99999 outside the vocabulary"),
-    (["generate", "--temperature", "-1"], "generate: sampling needs a finite temperature"),
+    (["generate", "--temperature", "-1"], "generate: sampling needs a temperature >= 0"),
     (["generate", "--device", "cuda:0" if not torch.cuda.is_available() else "nonsense"], "--device"),
 ])
 def test_cli_refuses_bad_arguments_with_a_message(argv, message):
@@ -123,3 +123,14 @@ def test_run_prefill_prints_one_row_a_chunk(capsys):
     out = capsys.readouterr().out
     assert bench.PREFILL_HEADER in out
     assert sum(line.startswith("| tiny L5 E") for line in out.splitlines()) == 2
+
+
+def test_preset_config_takes_zero_as_zero():
+    """layers=0 or experts=0 had been read as "not given" and returned the whole preset."""
+    assert bench.preset_config("tiny", layers=2).num_layers == 2
+    with pytest.raises(ValueError, match="layers must be in 1..5, got 0"):
+        bench.preset_config("tiny", layers=0)
+    with pytest.raises(ValueError, match="n_experts must be a positive int"):
+        bench.preset_config("tiny", experts=0)
+    with pytest.raises(ValueError, match="preset must be one of tiny, flash, pro, got 'huge'"):
+        bench.preset_config("huge")

@@ -1,4 +1,5 @@
 """Bad input gets a clear error, and other requests' outputs are unchanged afterwards."""
+import numpy as np
 import pytest
 import torch
 
@@ -190,6 +191,12 @@ def test_runtime_argument_errors(model):
         dsv4rt.Runtime(model, backend="inductor")  # a CPU model: no graphs, no compile
     with pytest.raises(ValueError, match="backend='aot_eager' is used only with"):
         dsv4rt.Runtime(model, backend="aot_eager", graphs=False)
+    with pytest.raises(TypeError, match="backend must be a torch.compile backend name or callable, got int"):
+        dsv4rt.Runtime(model, compile=True, backend=123)  # had failed at the first step, refusing its requests
+    with pytest.raises(ValueError, match=r"max_tokens_per_step \(4097\) must be <= max_requests \* max_context"):
+        dsv4rt.Runtime(model, max_requests=1, max_context=4096, max_tokens_per_step=4097)
+    # the default tokens a call never breaks the rule it is checked by (8 requests of 4 tokens had been refused)
+    assert dsv4rt.Runtime(model, max_requests=8, max_context=4).max_tokens == 8
 
 
 def test_block_allocator_refuses_what_would_share_a_block():
@@ -212,6 +219,10 @@ def test_block_allocator_refuses_what_would_share_a_block():
             alloc.allocate(bad)
     with pytest.raises(ValueError, match="num_blocks must be an int >= 0"):
         dsv4rt.BlockAllocator(-2)
+    alloc = dsv4rt.BlockAllocator(np.int64(3))  # any integer scalar type, as elsewhere in the API
+    got = alloc.allocate(np.int64(2))
+    alloc.free([np.int64(got[0])])
+    assert alloc.num_free == 2 and type(alloc._free[-1]) is int
 
 
 def test_cache_sizes_and_kernels_mode_are_checked(model):
@@ -225,6 +236,14 @@ def test_cache_sizes_and_kernels_mode_are_checked(model):
             dsv4rt.KVCache(CFG, args.pop("max_requests"), args.pop("max_context"), **args)
     with pytest.raises(ValueError, match="kernels must be 'auto', 'native' or 'reference', got ''"):
         dsv4rt.Runtime(model, kernels="")
+    rt = dsv4rt.Runtime(model, max_requests=3, max_context=64)
+    a, b = rt.admit(), rt.admit()
+    rt.step({a: tokens(10, 1), b: tokens(10, 2)})
+    state = [buf.clone() for layer in rt.cache.layers for buf in layer.per_slot()]
+    for slot, fragment in ((-3, "slot must be >= 0"), (4, r"slot must be <= max_requests \(3\)")):
+        with pytest.raises(ValueError, match=fragment):  # -3 had zeroed slot 1: b's ring and compressor state
+            rt.cache.reset_slot(slot)
+    assert all(torch.equal(x, buf) for x, buf in zip(state, (b for l in rt.cache.layers for b in l.per_slot())))
 
 
 def test_runtime_flags_and_log_are_checked(model):
@@ -286,7 +305,13 @@ def test_generate_checks_everything_before_the_first_step(model):
         (dict(prompts=[1, 2, 3]), "prompt 0: token ids must be a sequence of ints"),
         (dict(prompts=[[1], []]), "prompt 1 is empty"),
         (dict(prompts=[[1, CFG.vocab_size]]), "prompt 0: token id 512 outside the vocabulary"),
-        (dict(prompts=[[1]], temperature=float("nan")), "finite temperature"),
+        (dict(prompts=[[1]], temperature=float("nan")), "temperature must be finite, got nan"),
+        (dict(prompts=[[1]], temperature=10**400), "temperature must be finite, got 1000"),
+        (dict(prompts=[[1]], temperature="0.5"), "temperature must be a real number, got str"),
+        (dict(prompts=[[1]], stop_at_eos=np.True_), "stop_at_eos must be a bool, got numpy.bool"),
+        (dict(prompts={(1, 2)}), "prompts must be a list of token-id lists, got set"),
+        (dict(prompts=[torch.tensor([1 + 0j])]), "prompt 0: token ids must be a 1-D integer tensor"),
+        (dict(prompts=[[1, CFG.vocab_size]], max_new_tokens=0), "prompt 0: token id 512 outside the vocabulary"),
         (dict(prompts=[[1]], top_p=1.5), "top_p"),
         (dict(prompts=[[1]], max_new_tokens=2.0), "max_new_tokens must be an int"),
         (dict(prompts=[[1]], top_k=2.5), "top_k must be an int"),
@@ -300,6 +325,29 @@ def test_generate_checks_everything_before_the_first_step(model):
     # a tiny temperature samples (the largest logit at 0 before dividing: no inf - inf)
     assert len(rt.generate([[1, 2]], max_new_tokens=3, temperature=1e-40, seed=1)[0]) == 3
     assert rt.live == [other]
+
+
+def test_generate_groups_by_free_slots_and_blocks(model):
+    """A prompt's new tokens depend on the seed and its place in the list only: not on the requests a caller holds
+    (which set the group sizes), for sampling too (a generator a prompt). Groups are sized by the free blocks as well
+    as the free slots; a prompt that no group could hold is refused before the first step. A numpy temperature is a
+    temperature (its == 0 had been a numpy bool that step() refused after the slots were taken)."""
+    kw = dict(max_new_tokens=5, temperature=np.float64(0.8), top_k=50, seed=7)
+    prompts = [tokens(6, 1), tokens(3, 2), tokens(9, 3)]
+    rt = dsv4rt.Runtime(model, max_requests=3, max_context=64)
+    together = rt.generate(prompts, **kw)
+    held = rt.admit()
+    assert rt.generate(prompts, **kw) == together  # groups of two, then one
+    rt.release(held)
+    assert rt.generate(prompts, **{**kw, "temperature": np.float64(0.0)}) == rt.generate(prompts, max_new_tokens=5)
+
+    long = [tokens(120, 4 + i) for i in range(3)]  # each holds the pool's one block by its last token
+    tight = dsv4rt.Runtime(model, max_requests=3, max_context=256, num_blocks=1)
+    assert tight.generate(long, max_new_tokens=4) == [tight.generate([p], max_new_tokens=4)[0] for p in long]
+    none = dsv4rt.Runtime(model, max_requests=1, max_context=256, num_blocks=0)
+    with pytest.raises(CapacityError, match="prompt 1 needs 1 cache blocks by its last token; 0 of the 0 are free"):
+        none.generate([[1], long[0]], max_new_tokens=2)
+    assert none.live == [] and none._next_handle == 0  # refused before a slot was taken
 
 
 def test_generate_uses_the_free_slots(model):
@@ -430,11 +478,11 @@ def test_decode_takes_the_ids_where_they_are(model):
     torch.testing.assert_close(got, torch.cat([want[h] for h in hs["ref"]]), rtol=0, atol=0)
     rt.release(c)  # released before the host looked: its count goes with it
     d = rt.admit()  # c's slot
-    rt.synchronize()
     with pytest.raises(RequestError, match=f"request {b}: decode\\(\\) was given a token id outside the vocabulary"):
-        rt.decode([a, b], torch.tensor([1, 1]))
+        rt.step({b: [1]})  # host logits: the host waits, and looks, before this step
+    assert rt.position(b) == len(prompts[1]) + 7  # six decodes and the bad one; this step did not run
     with pytest.raises(RequestError, match="outside the vocabulary"):
-        rt.step({b: [1]})
+        rt.decode([a, b], torch.tensor([1, 1]))
     ids = ids[[0]]
     for _ in range(2):  # a and the slot's new request go on
         want = ref.step({hs["ref"][0]: [int(ids[0])]})[hs["ref"][0]]
