@@ -79,7 +79,7 @@ def cmd_generate(args) -> int:
         try:
             model = dsv4rt.Model.from_pretrained(args.checkpoint, layers=args.layers, dtype=DTYPES[dtype_name],
                                                  device=device)
-        except dsv4rt.CheckpointError as e:
+        except ValueError as e:  # a dsv4rt.CheckpointError, or an option the load refuses (--layers, --device)
             raise SystemExit(f"cannot load the checkpoint: {e}") from None
         cfg = model.cfg
     else:
@@ -126,10 +126,12 @@ def cmd_info(args) -> int:
         from .checkpoint import CheckpointError, describe
 
         try:
-            report, error = describe(args.checkpoint)
+            report, error = describe(args.checkpoint, layers=args.layers)
         except CheckpointError as e:  # no config or unreadable headers: nothing to describe
             print(f"cannot read the checkpoint: {e}", file=sys.stderr)
             return 1
+        except ValueError as e:  # --layers past the checkpoint's blocks, refused before a header is read
+            raise SystemExit(f"--layers: {e}") from None
         print(report)
         return 1 if error else 0
     cfg = _config(args)

@@ -4,7 +4,8 @@ A folder holds `config.json` (official inference keys or HF keys) and either `mo
 its shards or a single `model.safetensors`. Every safetensors header is read and checked against the config
 (names, shapes, dtypes, block scales, file sizes) before any weight is touched; the weights then stream one
 tensor at a time from memory-mapped shards to the device, where they are decoded (dsv4rt/dequant.py) into the
-model's dtype. Peak host memory stays near the largest tensor.
+model's dtype. Peak host memory stays near the largest tensor. The loaded values are checked (finite in the
+model's dtype, no ue8m0 NaN scale, hash tables naming real experts) with one device read at the end.
 
 Names: a checkpoint name is stripped of `model.` and renamed by the rules of transformers'
 `conversion_mapping["deepseek_v4"]` (official -> HF), which leave HF names unchanged; so official checkpoints,
@@ -193,8 +194,39 @@ class TensorInfo:
     nbytes: int
 
 
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _entry(path: str, name: str, h, data_size: int) -> TensorInfo:
+    """One header entry, checked on its own: a malformed one would crash the reader or read the wrong bytes."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{path}: tensor {name}: malformed header entry, {why}: {h!r:.200}")
+
+    if not isinstance(h, dict):
+        raise bad("not an object")
+    dtype, shape, offsets = h.get("dtype"), h.get("shape"), h.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise bad("dtype is not a string")
+    if not isinstance(shape, list) or not all(_count(d) for d in shape):
+        raise bad("shape is not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_count(o) for o in offsets):
+        raise bad("data_offsets is not a pair of non-negative integers")
+    (start, end), shape = offsets, tuple(shape)
+    if start > end:
+        raise bad("data_offsets ends before it starts")
+    if end > data_size:
+        raise CheckpointError(f"{path}: tensor {name} needs bytes {start}..{end} of the data section, the file "
+                              f"holds {data_size} (truncated file)")
+    if dtype in _ITEMSIZE and end - start != math.prod(shape) * _ITEMSIZE[dtype]:
+        raise CheckpointError(f"{path}: tensor {name} ({dtype} {list(shape)}) spans {end - start} bytes, "
+                              f"expected {math.prod(shape) * _ITEMSIZE[dtype]}")
+    return TensorInfo(name, path, dtype, shape, start, end - start)
+
+
 def read_header(path: str) -> dict[str, TensorInfo]:
-    """The tensors of one safetensors file, from its header only; checks that every tensor's bytes are present."""
+    """The tensors of one safetensors file, from its header only; checks every entry, and that the tensors' bytes
+    are present and tile the data section as safetensors requires (no overlap, no gap, nothing after them)."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -205,28 +237,34 @@ def read_header(path: str) -> dict[str, TensorInfo]:
             if n > min(size - 8, _MAX_HEADER):
                 raise CheckpointError(f"{path}: truncated or corrupt safetensors file (header of {n} bytes, "
                                       f"file of {size})")
-            header = json.loads(f.read(n))
+            raw = f.read(n)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
     data_size = size - 8 - n
-    out = {}
-    for name, h in sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", [0, 0])[1]):
-        try:
-            dtype, shape, (start, end) = str(h["dtype"]), tuple(int(s) for s in h["shape"]), h["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name}: malformed header entry {h!r}") from None
-        if end > data_size:
-            raise CheckpointError(f"{path}: tensor {name} needs bytes {start}..{end} of the data section, the file "
-                                  f"holds {data_size} (truncated file)")
-        if dtype in _ITEMSIZE and end - start != math.prod(shape) * _ITEMSIZE[dtype]:
-            raise CheckpointError(f"{path}: tensor {name} ({dtype} {list(shape)}) spans {end - start} bytes, "
-                                  f"expected {math.prod(shape) * _ITEMSIZE[dtype]}")
-        out[name] = TensorInfo(name, path, dtype, shape, start, end - start)
+    out = {name: _entry(path, name, h, data_size) for name, h in header.items()}
+    infos = sorted(out.values(), key=lambda i: (i.offset, i.nbytes, i.name))
+    for prev, info in zip(infos, infos[1:]):  # sorted by start: an overlap shows between neighbours
+        if info.offset < prev.offset + prev.nbytes:
+            raise CheckpointError(f"{path}: tensor {info.name} (bytes {info.offset}..{info.offset + info.nbytes} of "
+                                  f"the data section) overlaps tensor {prev.name} (bytes {prev.offset}.."
+                                  f"{prev.offset + prev.nbytes})")
+    pos, prev = 0, None
+    for info in infos:
+        if info.offset != pos:
+            raise CheckpointError(f"{path}: tensor {info.name} starts at byte {info.offset} of the data section, "
+                                  f"leaving bytes {pos}..{info.offset} unused (corrupt file: safetensors data is "
+                                  f"contiguous)")
+        pos, prev = info.offset + info.nbytes, info
+    if pos != data_size:
+        raise CheckpointError(f"{path}: {data_size - pos} bytes of the data section follow the last tensor"
+                              + (f" {prev.name}" if prev else "") + " (corrupt file)")
     return out
 
 
@@ -251,19 +289,44 @@ class Checkpoint:
         return local if local == "lm_head.weight" else "model." + local
 
 
-def scan(path: str | os.PathLike) -> Checkpoint:
-    """Read the config, the index and every shard header of a checkpoint folder; no weights are read."""
+def _read_json(path: str, what: str):
+    """A JSON file of the folder; a missing, unreadable, non-UTF-8 or malformed one is a CheckpointError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: unreadable {what}, not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: unreadable {what} ({e})") from None
+
+
+def _folder(path: str | os.PathLike) -> str:
     folder = os.fspath(path)
     if not os.path.isdir(folder):
         raise CheckpointError(f"{folder}: not a checkpoint folder")
-    cfg_path = os.path.join(folder, CONFIG_FILE)
-    try:
-        with open(cfg_path) as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{cfg_path}: missing") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{cfg_path}: unreadable ({e})") from None
+    return folder
+
+
+def _read_config(folder: str) -> dict:
+    """The folder's config.json, which must hold a JSON object (`ModelConfig.from_hf` reads a string as a path)."""
+    path = os.path.join(folder, CONFIG_FILE)
+    config = _read_json(path, "config")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: holds a JSON {type(config).__name__}, not an object of config keys")
+    return config
+
+
+def scan(path: str | os.PathLike) -> Checkpoint:
+    """Read the config, the index and every shard header of a checkpoint folder; no weights are read."""
+    folder = _folder(path)
+    return _scan_tensors(folder, _read_config(folder))
+
+
+def _scan_tensors(folder: str, config: dict) -> Checkpoint:
     index_path = os.path.join(folder, INDEX_FILE)
     if os.path.exists(index_path):
         return _scan_index(folder, config, index_path)
@@ -273,17 +336,23 @@ def scan(path: str | os.PathLike) -> Checkpoint:
     return Checkpoint(folder, config, (single,), single, read_header(single))
 
 
+def _plain_file_name(name) -> bool:
+    """A shard named by the index must be a file of the folder itself, not a path leading out of it."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name
+            and not (os.altsep and os.altsep in name))
+
+
 def _scan_index(folder: str, config: dict, index_path: str) -> Checkpoint:
-    try:
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index_path}: unreadable index (needs a 'weight_map' object; {e!r})") from None
+    index = _read_json(index_path, "index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path}: unreadable index (needs a 'weight_map' object)")
     by_file: dict[str, list[str]] = {}
     for name, fname in weight_map.items():
-        by_file.setdefault(str(fname), []).append(name)
+        if not _plain_file_name(fname):
+            raise CheckpointError(f"{index_path}: tensor {name} is mapped to {fname!r}, not the name of a file in "
+                                  f"the checkpoint folder")
+        by_file.setdefault(fname, []).append(name)
     files, tensors = [], {}
     for fname in sorted(by_file):
         path = os.path.join(folder, fname)
@@ -441,9 +510,13 @@ def _unit_name(ckpt: Checkpoint, unit: tuple) -> str:
 # ---------------------------------------------------------------------------------------------------- config
 def checkpoint_config(ckpt: Checkpoint) -> ModelConfig:
     """ModelConfig of a scanned checkpoint; config errors name config.json."""
-    path = os.path.join(ckpt.folder, CONFIG_FILE)
+    return _model_config(ckpt.folder, ckpt.config)
+
+
+def _model_config(folder: str, config: dict) -> ModelConfig:
+    path = os.path.join(folder, CONFIG_FILE)
     try:
-        return ModelConfig.from_hf(ckpt.config)
+        return ModelConfig.from_hf(config)
     except KeyError as e:
         raise CheckpointError(f"{path}: missing key {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
@@ -462,6 +535,15 @@ def _layer_count(layers, n: int) -> int:
     return layers
 
 
+def _scan_for(path: str | os.PathLike, layers) -> tuple[Checkpoint, ModelConfig, int]:
+    """(checkpoint, its config, blocks to keep): config.json and `layers` are checked before any header is read."""
+    folder = _folder(path)
+    config = _read_config(folder)
+    full = _model_config(folder, config)
+    k = _layer_count(layers, full.num_layers)
+    return _scan_tensors(folder, config), full, k
+
+
 # ---------------------------------------------------------------------------------------------------- load
 def load(cls, path: str | os.PathLike, layers=None, dtype: torch.dtype = torch.bfloat16,
          device: torch.device | str = "cpu", progress: bool = True):
@@ -472,10 +554,8 @@ def load(cls, path: str | os.PathLike, layers=None, dtype: torch.dtype = torch.b
 
     check_dtype(dtype)
     t0 = time.perf_counter()
-    ckpt = scan(path)
-    full = checkpoint_config(ckpt)
+    ckpt, full, k = _scan_for(path, layers)
     sources = plan(ckpt, full)
-    k = _layer_count(layers, full.num_layers)
     cfg = full.truncated(k) if k < full.num_layers else full
     sources = [s for s in sources if s.layer is None or s.layer < k]
     model = _build(cls, cfg, dtype, device)
@@ -498,6 +578,17 @@ def load(cls, path: str | os.PathLike, layers=None, dtype: torch.dtype = torch.b
             except Exception as e:  # safetensors raises its own error types; report the file and tensor
                 raise CheckpointError(f"{info.file}: tensor {info.name}: cannot read ({e})") from None
 
+        def decode(s: _Source, device, dtype: torch.dtype) -> torch.Tensor:
+            """The tensor as stored, or an FP8/FP4 weight decoded into `dtype`."""
+            value = read(s.info).to(device)
+            if s.scale is None:
+                return value
+            scale = read(s.scale).to(device)
+            if value.dtype == torch.float8_e4m3fn:
+                return dequant.dequant_fp8_block(value, scale, dtype)
+            return dequant.dequant_fp4(value, scale, dtype)
+
+        loaded = []  # sources in load order
         for i, file in enumerate(files):
             group = by_file[file]
             if progress:
@@ -508,14 +599,9 @@ def load(cls, path: str | os.PathLike, layers=None, dtype: torch.dtype = torch.b
                 dst = params[s.target]
                 if s.index:
                     dst = dst[s.index]
-                value = read(s.info).to(dst.device)
-                if s.scale is not None:
-                    scale = read(s.scale).to(dst.device)
-                    if value.dtype == torch.float8_e4m3fn:
-                        value = dequant.dequant_fp8_block(value, scale, dst.dtype)
-                    else:
-                        value = dequant.dequant_fp4(value, scale, dst.dtype)
-                dst.copy_(value)
+                dst.copy_(decode(s, dst.device, dst.dtype))
+                loaded.append(s)
+        _check_values(params, loaded, cfg.n_experts, read, lambda s: decode(s, "cpu", torch.float32))
         _refresh_buffers(model)
     check_loaded(model)
     if progress:
@@ -524,12 +610,63 @@ def load(cls, path: str | os.PathLike, layers=None, dtype: torch.dtype = torch.b
     return model.eval()
 
 
+def _fine(t: torch.Tensor, n_experts: int) -> bool:
+    """`t` holds only finite values (a float), or only expert ids in [0, n_experts) (a hash table)."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(lo.isfinite() & hi.isfinite()) if t.is_floating_point() else bool((lo >= 0) & (hi < n_experts))
+
+
+def _check_values(params: dict[str, torch.Tensor], loaded: list[_Source], n_experts: int, read, decode32) -> None:
+    """Refuse loaded values the model cannot run on: NaN or inf (also from a ue8m0 NaN scale, byte 255, or a value
+    past the range of the model's dtype), a hash table naming an expert that does not exist.
+
+    Cheap on any device: one aminmax a parameter (it propagates NaN and allocates nothing the size of the tensor),
+    all of them read back at once, so the load never waits on the device tensor by tensor; only a failure looks
+    for the first bad checkpoint tensor."""
+    floats = [p for p in params.values() if p.is_floating_point() and p.numel()]
+    tables = [p for n, p in params.items() if n.endswith(".tid2eid") and p.numel()]
+    flags = []
+    if floats:  # stack promotes the bf16 / fp16 extremes to float32 exactly, NaN and inf included
+        flags.append(torch.stack([x for p in floats for x in torch.aminmax(p)]).isfinite().all())
+    for p in tables:
+        lo, hi = torch.aminmax(p)
+        flags.append((lo >= 0) & (hi < n_experts))
+    if not flags or all(torch.stack(flags).tolist()):
+        return
+    bad = []
+    for s in loaded:
+        dst = params[s.target][s.index] if s.index else params[s.target]
+        if dst.is_floating_point() or s.target.endswith(".tid2eid"):
+            if not _fine(dst, n_experts):
+                bad.append((s, dst))
+    if not bad:  # every state-dict entry comes from the checkpoint, so one of them is bad; should that change:
+        raise CheckpointError("the loaded model holds NaN, infinite or out-of-range values")
+    s, dst = bad[0]
+    info = s.info
+    if not dst.is_floating_point():
+        ids = dst[(dst < 0) | (dst >= n_experts)]
+        msg = (f"{info.file}: tensor {info.name} names expert {ids[0].item()}, outside the {n_experts} routed "
+               f"experts of config.json")
+    elif s.scale is not None and s.scale.dtype == "F8_E8M0" and (read(s.scale).view(torch.uint8) == 255).any():
+        msg = (f"{s.scale.file}: tensor {s.scale.name} holds the ue8m0 byte 255, which is NaN (block scale of "
+               f"{info.name})")
+    elif _fine(decode32(s).float(), n_experts):
+        msg = (f"{info.file}: tensor {info.name} holds values past the range of {dst.dtype} (largest "
+               f"{torch.finfo(dst.dtype).max:g}); load it in a wider dtype")
+    else:
+        msg = (f"{info.file}: tensor {info.name} holds NaN or infinite values"
+               + (f" once decoded with its block scale {s.scale.name}" if s.scale else ""))
+    raise CheckpointError(msg + (f" (and {len(bad) - 1} more tensor(s) with bad values)" if len(bad) > 1 else ""))
+
+
 # ---------------------------------------------------------------------------------------------------- info
-def describe(path: str | os.PathLike) -> tuple[str, Optional[CheckpointError]]:
+def describe(path: str | os.PathLike, layers=None) -> tuple[str, Optional[CheckpointError]]:
     """A report of a checkpoint folder from its config and headers only (config, schedule, tensor count, bytes by
-    dtype), and the error that loading it would raise (None if it would load)."""
-    ckpt = scan(path)
-    cfg = checkpoint_config(ckpt)
+    dtype), and the error that loading it would raise (None if it would load). `layers` is checked as
+    `from_pretrained` checks it (ValueError); the report covers the whole folder."""
+    ckpt, cfg, _ = _scan_for(path, layers)
     mtp = [n for n in ckpt.tensors if local_name(n) is None]
     by_dtype: dict[str, list[int]] = {}
     for info in ckpt.tensors.values():

@@ -20,6 +20,9 @@ from . import dequant
 from .checkpoint import CONFIG_FILE, FP8_WEIGHTS, FP32_TENSORS, INDEX_FILE, local_name, official_name
 from .config import CSA, HASH_MOE, HCA, SLIDING, ModelConfig
 
+WO_A_FORMATS = ("fp8", "bf16")
+EXPERT_FORMATS = ("fp4", "fp8")
+
 
 def official_config(cfg: ModelConfig) -> dict:
     """`cfg` as an official inference config.json (`dim`, `n_layers`, `compress_ratios`, ...).
@@ -82,6 +85,13 @@ def _local_state(source, cfg: Optional[ModelConfig]) -> tuple[ModelConfig, dict[
     return cfg, {k: local[k] for k in expected}
 
 
+def _check_formats(wo_a, experts) -> None:
+    """Any other value would be written silently as the default format."""
+    for arg, value, allowed in (("wo_a", wo_a, WO_A_FORMATS), ("experts", experts, EXPERT_FORMATS)):
+        if not isinstance(value, str) or value not in allowed:
+            raise ValueError(f"{arg} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
 def official_tensors(cfg: ModelConfig, state: dict[str, Tensor], wo_a: Literal["fp8", "bf16"] = "fp8",
                      experts: Literal["fp4", "fp8"] = "fp4") -> dict[str, Tensor]:
     """dsv4rt-named float tensors -> official names and formats, in checkpoint order (scale after its weight).
@@ -89,6 +99,7 @@ def official_tensors(cfg: ModelConfig, state: dict[str, Tensor], wo_a: Literal["
     `wo_a="bf16"` stores `attn.wo_a` dequantised (as the reference's converter does); `experts="fp8"` stores
     routed experts as FP8 with 128x128 scales (convert.py's lossless re-expression for hardware without FP4).
     """
+    _check_formats(wo_a, experts)
     out: dict[str, Tensor] = {}
 
     def put(name: str, t: Tensor) -> None:
@@ -132,15 +143,15 @@ def write_shards(path: str | os.PathLike, tensors: dict[str, Tensor], shards: in
     from safetensors.torch import save_file
 
     folder = os.fspath(path)
-    os.makedirs(folder, exist_ok=True)
     groups: list[list[str]] = []
     for name in tensors:
         if name.endswith(".scale") and groups and groups[-1][0] == name[: -len(".scale")] + ".weight":
             groups[-1].append(name)
         else:
             groups.append([name])
-    if not 1 <= shards <= len(groups):
-        raise ValueError(f"shards must be in 1..{len(groups)}, got {shards}")
+    if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= len(groups):
+        raise ValueError(f"shards must be an int in 1..{len(groups)}, got {shards!r}")
+    os.makedirs(folder, exist_ok=True)
     sizes = [sum(tensors[n].numel() * tensors[n].element_size() for n in g) for g in groups]
     cum, total = list(itertools.accumulate(sizes)), sum(sizes)
     bounds = [0]
@@ -167,9 +178,13 @@ def save_official(path: str | os.PathLike, source, cfg: Optional[ModelConfig] = 
     """Quantise `source` into an official DeepSeek-V4 checkpoint folder at `path`; returns the shard names.
 
     `source`: an HF DeepseekV4ForCausalLM, a dsv4rt Model, or an HF-named state dict (then `cfg` is required).
+    Everything is checked and encoded before the first file is written, so a refusal leaves a checkpoint already
+    in `path` as it was.
     """
+    _check_formats(wo_a, experts)
     cfg, state = _local_state(source, cfg)
+    config = json.dumps(official_config(cfg), indent=2)
     files = write_shards(path, official_tensors(cfg, state, wo_a=wo_a, experts=experts), shards)
     with open(os.path.join(os.fspath(path), CONFIG_FILE), "w") as f:
-        json.dump(official_config(cfg), f, indent=2)
+        f.write(config)
     return files

@@ -1,7 +1,9 @@
 """Checkpoint folders: FP8/FP4 formats, official <-> HF names, round trips against HF, bad folders, CLI."""
 import json
 import os
+import re
 import shutil
+import struct
 
 import pytest
 import torch
@@ -10,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 import dsv4rt
 from dsv4rt import CheckpointError
-from dsv4rt.checkpoint import INDEX_FILE, expert_slot, local_name, official_name
+from dsv4rt.checkpoint import INDEX_FILE, describe, expert_slot, local_name, official_name
 from dsv4rt.checkpoint_writer import official_config, save_official, write_shards
-from dsv4rt.config import ModelConfig
+from dsv4rt.config import HASH_MOE, MOE, ModelConfig
 from dsv4rt.dequant import dequant_fp4, dequant_fp8_block, quant_fp4, quant_fp8_block
 from oracle import hf_config, hf_model, hf_run, rel_err
 
@@ -326,6 +328,31 @@ def test_bf16_wo_a_and_fp8_experts(hf, tmp_path):
                        dequant_fp8_block(*quant_fp8_block(w1)))
 
 
+@pytest.mark.parametrize("change, message", [
+    (dict(hca_ratio=CFG.csa_ratio), "CSA and HCA rates are both 4"),
+    (dict(mlp_types=(MOE, HASH_MOE, MOE, MOE, MOE)), "hash-routed layers must come first"),
+], ids=["csa_equals_hca", "hash_layer_not_first"])
+def test_refused_save_keeps_the_checkpoint_in_the_folder(official_dir, tmp_path, change, message):
+    d = tmp_path / "ckpt"
+    shutil.copytree(official_dir, d)
+    before = {f: (d / f).read_bytes() for f in os.listdir(d)}
+    with pytest.raises(ValueError, match=message):
+        save_official(d, dsv4rt.Model.random(CFG.replace(**change)), shards=3)
+    assert {f: (d / f).read_bytes() for f in os.listdir(d)} == before
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(experts="bf16"), "experts must be one of 'fp4', 'fp8', got 'bf16'"),  # used to be written as fp4
+    (dict(wo_a="fp16"), "wo_a must be one of 'fp8', 'bf16', got 'fp16'"),
+    (dict(shards=0), r"shards must be an int in 1\.\.\d+, got 0"),
+    (dict(shards="3"), r"shards must be an int in 1\.\.\d+, got '3'"),
+])
+def test_save_official_refuses_bad_arguments_before_writing(hf, tmp_path, kw, message):
+    with pytest.raises(ValueError, match=message):
+        save_official(tmp_path / "out", hf, **kw)
+    assert not os.path.exists(tmp_path / "out")
+
+
 def test_layer_slice(official_dir):
     full = load(official_dir).state_dict()
     for layers in (2, range(2)):
@@ -547,6 +574,184 @@ def test_missing_config(official_dir, tmp_path):
         load(d)
 
 
+@pytest.mark.parametrize("value", ["<official_dir>", "nonexistent", [1, 2], 3], ids=["path", "str", "list", "int"])
+def test_config_must_be_a_json_object(official_dir, tmp_path, value):
+    d = tmp_path / "ckpt"
+    shutil.copytree(official_dir, d)
+    with open(d / "config.json", "w") as f:  # a string used to be read as the path of another config
+        json.dump(str(official_dir) if value == "<official_dir>" else value, f)
+    with pytest.raises(CheckpointError, match=r"config\.json: holds a JSON \w+, not an object of config keys"):
+        load(d)
+
+
+@pytest.mark.parametrize("fname, what", [("config.json", "config"), (INDEX_FILE, "index")])
+def test_json_that_is_not_utf8(official_dir, tmp_path, fname, what):
+    d = tmp_path / "ckpt"
+    shutil.copytree(official_dir, d)
+    with open(d / fname, "ab") as f:
+        f.write(b"\xff")
+    with pytest.raises(CheckpointError, match=f"{re.escape(str(d / fname))}: unreadable {what}, not UTF-8 text"):
+        load(d)
+
+
+@pytest.mark.parametrize("how", ["parent", "absolute"])
+def test_index_naming_a_shard_outside_the_folder(official_dir, tmp_path, how):
+    d = tmp_path / "ckpt"
+    shutil.copytree(official_dir, d)
+    fname = shard_of(d, "norm.weight")
+    outside = {"parent": f"../ckpt/{fname}", "absolute": str(d / fname)}[how]  # the same file, by a path
+    idx = json.loads((d / INDEX_FILE).read_text())
+    idx["weight_map"] = {k: outside if v == fname else v for k, v in idx["weight_map"].items()}
+    (d / INDEX_FILE).write_text(json.dumps(idx))
+    with pytest.raises(CheckpointError, match=f"{INDEX_FILE}: tensor .* is mapped to '{re.escape(outside)}', not "
+                                              "the name of a file in the checkpoint folder"):
+        load(d)
+
+
+@pytest.mark.parametrize("fname", ["config.json", INDEX_FILE, "model-00001-of-00003.safetensors"])
+def test_json_nested_too_deep(official_dir, tmp_path, fname):
+    d = tmp_path / "ckpt"
+    shutil.copytree(official_dir, d)
+    deep = b"[" * 100_000  # json raises RecursionError, not a ValueError
+    (d / fname).write_bytes(struct.pack("<Q", len(deep)) + deep if fname.endswith(".safetensors") else deep)
+    with pytest.raises(CheckpointError, match=f"{re.escape(str(d / fname))}: .*maximum recursion depth exceeded"):
+        load(d)
+
+
+def edit_header(folder, fname, edit):
+    """Rewrite one shard's safetensors header as raw JSON (`edit(header)` changes it in place); the data stays."""
+    path = os.path.join(folder, fname)
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header, data = json.loads(f.read(n)), f.read()
+    edit(header)
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
+
+
+SINK = "layers.0.attn.attn_sink"  # F32 [num_heads]
+
+
+@pytest.mark.parametrize("entry, message", [
+    (lambda e: ["F32"], "not an object"),
+    (lambda e: {**e, "dtype": None}, "dtype is not a string"),
+    (lambda e: {**e, "shape": [CFG.num_heads + 0.7]}, "shape is not a list of non-negative integers"),  # not 4
+    (lambda e: {**e, "data_offsets": None}, "data_offsets is not a pair of non-negative integers"),
+    (lambda e: {**e, "data_offsets": e["data_offsets"][:1]}, "data_offsets is not a pair of non-negative integers"),
+    (lambda e: {**e, "data_offsets": [str(o) for o in e["data_offsets"]]}, "data_offsets is not a pair"),
+], ids=["not_a_dict", "dtype_null", "float_shape", "offsets_null", "one_offset", "string_offsets"])
+def test_malformed_header_entry(official_dir, tmp_path, entry, message):
+    d = tmp_path / "ckpt"
+    shutil.copytree(official_dir, d)
+    fname = shard_of(d, SINK)
+    edit_header(d, fname, lambda h: h.update({SINK: entry(h[SINK])}))
+    with pytest.raises(CheckpointError, match=f"{fname}: tensor {SINK}: malformed header entry, {message}"):
+        load(d)
+
+
+def _alias(h):
+    """SINK's entry points at the bytes of another tensor of the same dtype and shape."""
+    other = next(k for k, e in h.items() if k not in (SINK, "__metadata__") and e["shape"] == h[SINK]["shape"]
+                 and e["dtype"] == h[SINK]["dtype"])
+    h[SINK]["data_offsets"] = h[other]["data_offsets"]
+    return rf"tensor ({re.escape(SINK)}|{re.escape(other)}) \(bytes \d+\.\.\d+ of the data section\) overlaps tensor"
+
+
+def _gap(h):
+    """The last tensor moves 8 bytes on (8 bytes appended keep the file's size right)."""
+    last = max((k for k in h if k != "__metadata__"), key=lambda k: h[k]["data_offsets"][1])
+    h[last]["data_offsets"] = [o + 8 for o in h[last]["data_offsets"]]
+    return rf"tensor {re.escape(last)} starts at byte \d+ of the data section, leaving bytes \d+\.\.\d+ unused"
+
+
+def _trailing(h):
+    """The header stays; 8 bytes appended follow the last tensor."""
+    return "8 bytes of the data section follow the last tensor"
+
+
+@pytest.mark.parametrize("edit, grow", [(_alias, 0), (_gap, 8), (_trailing, 8)], ids=["alias", "gap", "trailing"])
+def test_data_ranges_must_tile_the_file(official_dir, tmp_path, edit, grow):
+    d = tmp_path / "ckpt"
+    shutil.copytree(official_dir, d)
+    fname = shard_of(d, SINK)
+    messages = []
+    edit_header(d, fname, lambda h: messages.append(edit(h)))
+    with open(d / fname, "ab") as f:
+        f.write(b"\0" * grow)
+    for read in (load, describe):  # refused from the header, before any data is read
+        with pytest.raises(CheckpointError, match=f"{fname}: {messages[0]}"):
+            read(d)
+
+
+def test_layers_checked_before_any_header(official_dir, monkeypatch):
+    import dsv4rt.checkpoint
+
+    def refuse(path):
+        raise AssertionError(f"{path} read before layers were checked")
+
+    monkeypatch.setattr(dsv4rt.checkpoint, "read_header", refuse)
+    with pytest.raises(ValueError, match=r"layers must be an int or range in 1\.\.5 \(the checkpoint has 5 blocks\), "
+                                         "got 99"):
+        load(official_dir, layers=99)
+
+
+@pytest.mark.parametrize("bad_id", [CFG.n_experts + 91, -3])
+def test_hash_table_naming_a_missing_expert(official_dir, tmp_path, bad_id):
+    from dsv4rt.__main__ import main
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(official_dir, d)
+    name = "layers.0.ffn.gate.tid2eid"
+    fname = shard_of(d, name)
+    table = load_file(d / fname)[name].clone()
+    table[5, 0] = bad_id
+    edit_shard(d, fname, replace={name: table})
+    message = f"{fname}: tensor {name} names expert {bad_id}, outside the 8 routed experts of config.json"
+    with pytest.raises(CheckpointError, match=message):
+        load(d)
+    with pytest.raises(SystemExit, match="cannot load the checkpoint: .*" + message):
+        main(["generate", "--checkpoint", str(d), "--max-new-tokens", "1"])
+
+
+def _byte(value, at=0):
+    """An edit of a tensor's stored bytes: byte `at` (an index or slice of the flat bytes) set to `value`."""
+    def edit(t):
+        b = t.view(torch.uint8).clone()
+        b.view(-1)[at] = value
+        return b.view(t.dtype)
+    return edit
+
+
+def _nan_at(i):
+    def edit(t):
+        t = t.clone()
+        t[i] = float("nan")
+        return t
+    return edit
+
+
+@pytest.mark.parametrize("name, edit, dtype, message", [
+    ("layers.1.attn.wkv.scale", _byte(255), torch.float32,
+     r"tensor layers.1.attn.wkv.scale holds the ue8m0 byte 255, which is NaN \(block scale of layers.1.attn.wkv"),
+    ("layers.2.ffn.experts.3.w2.scale", _byte(255, 7), torch.bfloat16,
+     r"tensor layers.2.ffn.experts.3.w2.scale holds the ue8m0 byte 255, which is NaN"),
+    ("layers.1.attn.wq_a.weight", _byte(0x7F), torch.float32,  # the e4m3 NaN code
+     "tensor layers.1.attn.wq_a.weight holds NaN or infinite values once decoded with its block scale "
+     "layers.1.attn.wq_a.scale"),
+    ("layers.0.attn_norm.weight", _nan_at(3), torch.bfloat16, "tensor layers.0.attn_norm.weight holds NaN or infinite"),
+    ("layers.1.attn.wkv.scale", _byte(127 + 20, slice(None)), torch.float16,  # 2^20: finite in float32 only
+     r"tensor layers.1.attn.wkv.weight holds values past the range of torch.float16 \(largest 65504\)"),
+], ids=["nan_fp8_scale", "nan_fp4_scale", "nan_fp8_code", "nan_bf16", "float16_overflow"])
+def test_bad_weight_values(official_dir, tmp_path, name, edit, dtype, message):
+    d = tmp_path / "ckpt"
+    shutil.copytree(official_dir, d)
+    fname = shard_of(d, name)
+    edit_shard(d, fname, replace={name: edit(load_file(d / fname)[name])})
+    with pytest.raises(CheckpointError, match=f"{fname}: {message}"):
+        dsv4rt.Model.from_pretrained(d, dtype=dtype, progress=False)
+
+
 # ---------------------------------------------------------------------------------------------- CLI
 def test_cli_info_reads_headers_only(official_dir, monkeypatch, capsys):
     import safetensors
@@ -578,6 +783,16 @@ def test_cli_info_reports_a_bad_checkpoint(official_dir, tmp_path, capsys):
     os.remove(d / "config.json")
     assert main(["info", "--checkpoint", str(d)]) == 1
     assert "config.json: missing" in capsys.readouterr().err
+
+
+def test_cli_refuses_layers_past_the_checkpoint(official_dir):
+    from dsv4rt.__main__ import main
+
+    blocks = r"layers must be an int or range in 1\.\.5 \(the checkpoint has 5 blocks\), got 99"
+    with pytest.raises(SystemExit, match="cannot load the checkpoint: " + blocks):
+        main(["generate", "--checkpoint", str(official_dir), "--layers", "99"])
+    with pytest.raises(SystemExit, match="--layers: " + blocks):
+        main(["info", "--checkpoint", str(official_dir), "--layers", "99"])
 
 
 def test_cli_generate_text(official_dir, tmp_path, capsys):
