@@ -514,8 +514,10 @@ class Runtime:
                  ) -> list[list[int]]:
         """Generate for each prompt (greedy when temperature == 0). Returns the new tokens of each prompt.
 
-        Everything is checked before the first step (prompts, lengths against max_context, sampling arguments); the
-        prompts run in groups as large as the free request slots, each group's slots released at the end."""
+        Everything is checked before the first step (prompts, lengths against max_context and the cache blocks each
+        prompt needs, sampling arguments); the prompts run in groups that the free request slots and blocks hold,
+        each group's slots released at the end. A prompt's tokens depend on the seed and its index only (sampling
+        draws from a generator a prompt), not on the prompts or requests beside it."""
         if isinstance(prompts, (str, bytes, Set, Mapping)) or not isinstance(prompts, Iterable):  # sets: no order
             raise RequestError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
         prompts = [_token_list("prompt", p, i) for i, p in enumerate(prompts)]
