@@ -30,6 +30,7 @@ import torch
 
 from . import dequant
 from .config import CSA, HCA, SLIDING, ModelConfig
+from .weights import finite_flags
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -622,18 +623,12 @@ def _check_values(params: dict[str, torch.Tensor], loaded: list[_Source], n_expe
     """Refuse loaded values the model cannot run on: NaN or inf (also from a ue8m0 NaN scale, byte 255, or a value
     past the range of the model's dtype), a hash table naming an expert that does not exist.
 
-    Cheap on any device: one aminmax a parameter (it propagates NaN and allocates nothing the size of the tensor),
-    all of them read back at once, so the load never waits on the device tensor by tensor; only a failure looks
-    for the first bad checkpoint tensor."""
-    floats = [p for p in params.values() if p.is_floating_point() and p.numel()]
-    tables = [p for n, p in params.items() if n.endswith(".tid2eid") and p.numel()]
-    flags = []
-    if floats:  # stack promotes the bf16 / fp16 extremes to float32 exactly, NaN and inf included
-        flags.append(torch.stack([x for p in floats for x in torch.aminmax(p)]).isfinite().all())
-    for p in tables:
-        lo, hi = torch.aminmax(p)
-        flags.append((lo >= 0) & (hi < n_experts))
-    if not flags or all(torch.stack(flags).tolist()):
+    Cheap on any device: the floats are read back at once (weights.finite_flags), the few hash tables one by one,
+    so the load never waits on the device tensor by tensor; only a failure looks for the first bad checkpoint
+    tensor."""
+    floats = [p for p in params.values() if p.is_floating_point()]
+    tables = [p for n, p in params.items() if n.endswith(".tid2eid")]
+    if all(finite_flags(floats)) and all(_fine(p, n_experts) for p in tables):
         return
     bad = []
     for s in loaded:

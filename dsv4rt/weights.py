@@ -47,6 +47,14 @@ def check_device(device) -> torch.device:
     return dev
 
 
+def finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each float tensor holds only finite values, for all of them with one host read: one aminmax a tensor
+    (it propagates NaN and inf, and allocates nothing the size of the tensor); float32 holds every extreme exactly."""
+    ends = [x.float() for t in tensors if t.numel() for x in torch.aminmax(t)]
+    ok = iter(torch.stack(ends).isfinite().view(-1, 2).all(1).tolist() if ends else [])
+    return [next(ok) if t.numel() else True for t in tensors]
+
+
 def _build(cls, cfg: ModelConfig, dtype: torch.dtype, device) -> "torch.nn.Module":
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"cfg must be a dsv4rt.ModelConfig, got {type(cfg).__name__} (ModelConfig.from_hf reads an "
@@ -116,17 +124,13 @@ def load_hf_state_dict(cls, cfg: ModelConfig, state_dict: dict, dtype: torch.dty
         if not dst.is_floating_point() and (src.is_floating_point() or src.is_complex() or src.dtype == torch.bool):
             raise ValueError(f"state dict tensor {source[k]} has dtype {src.dtype}, expected an integer dtype")
     with torch.no_grad():
-        finite = []
         for k, dst in expected.items():
             dst.copy_(given[k].to(device=dst.device, dtype=dst.dtype))
-            if dst.is_floating_point():
-                finite.append((k, torch.isfinite(dst).all()))
-        if finite:  # one read for all: a NaN, or a value past the target dtype's range, is named
-            ok = torch.stack([f for _, f in finite]).tolist()
-            bad = [source[k] for (k, _), good in zip(finite, ok) if not good]
-            if bad:
-                raise ValueError(f"state dict tensor {bad[0]} holds non-finite values in {dtype} (NaN, or past the "
-                                 f"dtype's range)" + (f"; so do {len(bad) - 1} more" if len(bad) > 1 else ""))
+        floats = [k for k, dst in expected.items() if dst.is_floating_point()]
+        bad = [source[k] for k, good in zip(floats, finite_flags([expected[k] for k in floats])) if not good]
+        if bad:  # a NaN, or a value past the target dtype's range
+            raise ValueError(f"state dict tensor {bad[0]} holds non-finite values in {dtype} (NaN, or past the "
+                             f"dtype's range)" + (f"; so do {len(bad) - 1} more" if len(bad) > 1 else ""))
         _refresh_buffers(model)
     check_loaded(model)
     return model.eval()
